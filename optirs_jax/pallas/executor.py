@@ -1,0 +1,154 @@
+"""The two executors of a rule over a list of leaves, and the per-platform dispatch.
+
+``execute`` takes the leaves as tuples of arrays (``(g, p, mu, nu)`` for Adam, ...), runs
+the rule either as the jnp reference (one fused XLA computation per leaf) or as Pallas
+kernels over packed flat buffers planned by :func:`optirs_jax.planning.plan_layout`, and
+returns the rule's outputs per leaf (and per-leaf norms when asked).
+
+With ``backend="auto"`` the choice is made per platform at lowering time with
+``jax.lax.platform_dependent``: CPU (and any other platform) runs the reference, CUDA the
+Triton kernel, TPU the Mosaic kernel. Leaves whose dtypes a kernel does not take (complex,
+float64, float16 on TPU) run through the reference inside the kernel branch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from optirs_jax.pallas.kernel import TILINGS, elementwise_call, hyper_vector
+from optirs_jax.planning.layout import plan_layout
+
+Leaf = tuple  # one leaf's arrays, in the rule's argument order
+
+KERNEL_DTYPES = {
+    "cuda": frozenset({jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)}),
+    "tpu": frozenset({jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)}),
+    "interpret": frozenset({jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16),
+                            jnp.dtype(jnp.float16)}),
+}
+# Pallas, for every platform it runs on: a dtype outside this set is an error on backend="pallas".
+PALLAS_DTYPES = KERNEL_DTYPES["cuda"]
+
+
+def norm_dtype(x: jax.Array):
+  """The dtype a per-leaf norm is carried in: the real type of ``x``, at least float32."""
+  return jnp.promote_types(jnp.finfo(x.dtype).dtype, jnp.float32)
+
+
+def _reference(rule, h, leaves, norm_of):
+  outs = [tuple(rule(h, *leaf)) for leaf in leaves]
+  if norm_of is None:
+    return outs, None
+  norms = []
+  for leaf, out in zip(leaves, outs):
+    xs = [leaf[i] for i in norm_of[0]] + [out[i] for i in norm_of[1]]
+    norms.append(tuple(jnp.linalg.norm(x).astype(norm_dtype(leaf[0])) for x in xs))
+  return outs, norms
+
+
+def _pack(xs: Sequence[jax.Array], group, pad_value, lanes: int) -> jax.Array:
+  if group.solo:
+    return xs[0].reshape(-1, lanes)
+  parts = []
+  for x, pl_ in zip(xs, group.placements):
+    flat = x.reshape(-1)
+    if pl_.padded != pl_.size:
+      flat = jnp.pad(flat, (0, pl_.padded - pl_.size), constant_values=pad_value)
+    parts.append(flat)
+  return jnp.concatenate(parts).reshape(-1, lanes)
+
+
+def _kernel(rule, h, names, leaves, pads, norm_of, aliases, platform, name):
+  tiling = TILINGS[platform]
+  supported = KERNEL_DTYPES[platform]
+  out_avals = [jax.eval_shape(lambda *a: tuple(rule(h, *a)), *leaf) for leaf in leaves]
+  use_kernel = [all(x.dtype in supported for x in leaf) and leaf[0].size > 0 for leaf in leaves]
+  ref_idx = [i for i, k in enumerate(use_kernel) if not k]
+  outs: list = [None] * len(leaves)
+  norms: list = [None] * len(leaves)
+  if ref_idx:
+    r_outs, r_norms = _reference(rule, h, [leaves[i] for i in ref_idx], norm_of)
+    for j, i in enumerate(ref_idx):
+      outs[i] = r_outs[j]
+      norms[i] = r_norms[j] if r_norms is not None else None
+  k_idx = [i for i, k in enumerate(use_kernel) if k]
+  if not k_idx:
+    return outs, (norms if norm_of is not None else None)
+  keys = [(tuple(x.dtype for x in leaves[i]), tuple(a.dtype for a in out_avals[i]))
+          for i in k_idx]
+  plan = plan_layout([leaves[i][0].size for i in k_idx], keys, block_elems=tiling.block_elems)
+  hvec = hyper_vector(h, names)
+  norm_in, norm_out = norm_of if norm_of is not None else ((), ())
+  for group in plan.groups:
+    members = [k_idx[p.leaf] for p in group.placements]
+    in_dtypes, out_dtypes = group.key
+    packed = [_pack([leaves[i][s] for i in members], group, pads[s], tiling.lanes)
+              for s in range(len(in_dtypes))]
+    alias = {i: o for o, i in aliases.items()
+             if o < len(out_dtypes) and i < len(in_dtypes) and in_dtypes[i] == out_dtypes[o]}
+    results = elementwise_call(rule, names, hvec, packed, out_dtypes, platform=platform,
+                               aliases=alias, norm_inputs=norm_in, norm_outputs=norm_out,
+                               name=name)
+    data, partials = results[:len(out_dtypes)], results[len(out_dtypes):]
+    for p, i in zip(group.placements, members):
+      shape = leaves[i][0].shape
+      outs[i] = tuple(y.reshape(-1)[p.offset:p.offset + p.size].reshape(shape) for y in data)
+    if partials:
+      owner = jnp.asarray(group.block_owner())
+      sums = [jax.ops.segment_sum(jnp.sum(part[:, 0, :], axis=1), owner,
+                                  num_segments=len(members), indices_are_sorted=True)
+              for part in partials]
+      for j, i in enumerate(members):
+        norms[i] = tuple(jnp.sqrt(s[j]) for s in sums)
+  return outs, (norms if norm_of is not None else None)
+
+
+def check_pallas_dtypes(leaves: Sequence[Leaf], paths: Sequence[str]) -> None:
+  """Raises a TypeError naming the leaf when ``backend='pallas'`` cannot take its dtype."""
+  for leaf, path in zip(leaves, paths):
+    for x in leaf:
+      dt = jnp.dtype(x.dtype)
+      if dt not in PALLAS_DTYPES and not jnp.issubdtype(dt, jnp.complexfloating):
+        valid = sorted(str(d) for d in PALLAS_DTYPES)
+        raise TypeError(f"backend='pallas' cannot run leaf {path} of dtype {dt}; valid dtypes "
+                        f"are {valid} (complex leaves run on the reference); use "
+                        "backend='auto' or 'jnp' for other dtypes")
+
+
+def execute(rule: Callable, h: Mapping, names: Sequence[str], leaves: Sequence[Leaf], *,
+            backend: str, pads: Sequence[float],
+            norm_of: tuple[Sequence[int], Sequence[int]] | None = None,
+            aliases: Mapping[int, int] = {}, name: str = "optirs_kernel"):
+  """Runs ``rule`` on every leaf with the chosen backend.
+
+  Args:
+    rule: the elementwise rule, static options already bound.
+    h: hyper-parameters of this step, as optax would use them (Python floats stay floats).
+    names: the rule's hyper-parameter names (the kernel vector's layout).
+    leaves: per leaf, the rule's array arguments.
+    backend: ``"auto"``, ``"jnp"`` or ``"pallas"``.
+    pads: the value each argument is padded with in a flat buffer; chosen so that padding
+      yields a zero, finite update.
+    norm_of: ``(input positions, output positions)`` whose per-leaf L2 norms to return.
+    aliases: ``{output position: input position}`` that may share a buffer.
+
+  Returns:
+    ``(outs, norms)``: per leaf the rule's outputs, and per leaf a tuple of norms (or None).
+  """
+  leaves = [tuple(leaf) for leaf in leaves]
+  reference = lambda: _reference(rule, h, leaves, norm_of)
+  kernel = lambda platform: (
+      lambda: _kernel(rule, h, names, leaves, pads, norm_of, aliases, platform, name))
+  if backend == "jnp" or not leaves:
+    return reference()
+  if backend == "auto":
+    return jax.lax.platform_dependent(cpu=reference, cuda=kernel("cuda"), tpu=kernel("tpu"),
+                                      default=reference)
+  if backend == "pallas":
+    return jax.lax.platform_dependent(cuda=kernel("cuda"), tpu=kernel("tpu"),
+                                      default=kernel("interpret"))
+  raise ValueError(f"{backend=} is not one of ('auto', 'jnp', 'pallas')")
+

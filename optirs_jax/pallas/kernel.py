@@ -1,0 +1,134 @@
+"""One generic Pallas kernel: an elementwise rule over blocks of 2-D flat buffers.
+
+The kernel body loads one ``(block_rows, lanes)`` block of every input, calls the
+optimizer's rule (the same jnp function the reference uses) with hyper-parameters read
+from one traced ``f32[NHP]`` vector, and stores every result cast to its output dtype.
+Optionally it also writes, per block, the lane-wise partial sums of squares of chosen
+inputs and outputs (``f32[num_blocks, 1, lanes]``): LAMB's per-leaf norms are a segment
+sum over them, reduced on the device inside the same pass. No output block is written by
+more than one grid step, so the result does not depend on the order programs run in.
+
+Backends: Triton on GPU (explicit ``pltriton.CompilerParams``: without it jax 0.10.2 picks
+Mosaic GPU), Mosaic on TPU (hyper-parameters in SMEM), interpret mode anywhere else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas import triton as pltriton
+
+from optirs_jax.rules import Hyper
+
+NHP = 32  # hyper-parameter vector length: a power of two, 128 bytes of f32.
+LANES = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiling:
+  """Block geometry and launch settings of the kernel on one platform."""
+
+  block_rows: int
+  lanes: int = LANES
+  num_warps: int = 4
+  num_stages: int = 1
+
+  @property
+  def block_elems(self) -> int:
+    return self.block_rows * self.lanes
+
+
+# Interpret mode reuses the GPU geometry, so CPU tests exercise the GPU layout.
+TILINGS: Mapping[str, Tiling] = {
+    "cuda": Tiling(block_rows=32, num_warps=4),
+    "tpu": Tiling(block_rows=512),
+    "interpret": Tiling(block_rows=32),
+}
+
+
+def _body(h_ref, *refs, rule, names, n_in, n_out, norm_inputs, norm_outputs):
+  # inputs: h_ref, n_in data blocks; outputs: n_out data blocks, then partial norms.
+  h = Hyper({name: h_ref[i] for i, name in enumerate(names)})
+  in_refs, out_refs, norm_refs = refs[:n_in], refs[n_in:n_in + n_out], refs[n_in + n_out:]
+  ins = [r[...] for r in in_refs]
+  outs = [x.astype(r.dtype) for r, x in zip(out_refs, rule(h, *ins))]
+  for r, x in zip(out_refs, outs):
+    r[...] = x
+  sources = [ins[i] for i in norm_inputs] + [outs[i] for i in norm_outputs]
+  for r, x in zip(norm_refs, sources):
+    x = x.astype(jnp.float32)
+    r[...] = jnp.sum(x * x, axis=0, keepdims=True)
+
+
+def _compiler_params(platform: str, tiling: Tiling):
+  if platform == "cuda":
+    return pltriton.CompilerParams(num_warps=tiling.num_warps, num_stages=tiling.num_stages)
+  if platform == "tpu":
+    return pltpu.CompilerParams(dimension_semantics=("parallel",))
+  return None
+
+
+def hyper_vector(h: Mapping, names: Sequence[str]) -> jax.Array:
+  """Packs the named scalars into one ``f32[NHP]`` vector (zeros after the last)."""
+  if len(names) > NHP:
+    raise ValueError(f"{len(names)=} hyper-parameters do not fit the {NHP=} vector")
+  values = [jnp.asarray(h[n], jnp.float32).reshape(()) for n in names]
+  values += [jnp.zeros((), jnp.float32)] * (NHP - len(values))
+  return jnp.stack(values)
+
+
+def elementwise_call(rule: Callable, names: Sequence[str], hvec: jax.Array,
+                     inputs: Sequence[jax.Array], out_dtypes: Sequence, *, platform: str,
+                     aliases: Mapping[int, int] = {}, norm_inputs: Sequence[int] = (),
+                     norm_outputs: Sequence[int] = (), name: str = "optirs_kernel"):
+  """Runs ``rule`` blockwise over 2-D ``inputs`` of equal shape ``(rows, lanes)``.
+
+  Args:
+    rule: ``rule(h, *blocks) -> tuple of blocks``; ``h`` holds the named scalars.
+    names: hyper-parameter names, in the order of ``hvec``.
+    hvec: ``f32[NHP]`` traced hyper-parameter vector.
+    inputs: 2-D arrays; rows must be a multiple of the platform's ``block_rows``.
+    out_dtypes: dtype of each rule output.
+    platform: ``"cuda"``, ``"tpu"`` or ``"interpret"``.
+    aliases: ``{input position: output position}`` to update in place.
+    norm_inputs / norm_outputs: which inputs / outputs get per-block partial sums of
+      squares; these come back after the data outputs as ``f32[num_blocks, 1, lanes]``.
+  """
+  tiling = TILINGS[platform]
+  rows, lanes = inputs[0].shape
+  if lanes != tiling.lanes or rows % tiling.block_rows:
+    raise ValueError(f"inputs of shape {inputs[0].shape} must be (k * {tiling.block_rows}, "
+                     f"{tiling.lanes}) for platform={platform!r}")
+  for x in inputs:
+    if x.shape != inputs[0].shape:
+      raise ValueError(f"all inputs must share one shape; got {x.shape} and {inputs[0].shape}")
+  num_blocks = rows // tiling.block_rows
+  block = pl.BlockSpec((tiling.block_rows, lanes), lambda i: (i, 0))
+  norm_block = pl.BlockSpec((None, 1, lanes), lambda i: (i, 0, 0))
+  if platform == "tpu":
+    hspec = pl.BlockSpec(memory_space=pltpu.SMEM)
+  else:
+    hspec = pl.BlockSpec((NHP,), lambda i: (0,))
+  n_norms = len(norm_inputs) + len(norm_outputs)
+  out_shape = [jax.ShapeDtypeStruct((rows, lanes), dt) for dt in out_dtypes]
+  out_shape += [jax.ShapeDtypeStruct((num_blocks, 1, lanes), jnp.float32)] * n_norms
+  body = functools.partial(_body, rule=rule, names=tuple(names), n_in=len(inputs),
+                           n_out=len(out_dtypes), norm_inputs=tuple(norm_inputs),
+                           norm_outputs=tuple(norm_outputs))
+  return pl.pallas_call(
+      body,
+      out_shape=tuple(out_shape),
+      grid=(num_blocks,),
+      in_specs=[hspec] + [block] * len(inputs),
+      out_specs=tuple([block] * len(out_dtypes) + [norm_block] * n_norms),
+      input_output_aliases={i + 1: o for i, o in aliases.items()},
+      interpret=platform == "interpret",
+      compiler_params=_compiler_params(platform, tiling),
+      name=name,
+  )(hvec, *inputs)

@@ -1,0 +1,135 @@
+"""Flat-buffer layout of a pytree's leaves for multi-tensor kernels (pure CPU).
+
+A Pallas optimizer kernel walks a 2-D buffer ``(rows, lanes)`` in blocks of
+``block_elems = block_rows * lanes`` elements. This module decides which leaves share a
+buffer and where each one sits:
+
+* leaves are grouped by a caller-given key (their dtypes: one buffer holds one dtype per
+  operand), in their original order, so the plan is deterministic;
+* every leaf starts on a block boundary and is padded to whole blocks, so every block
+  belongs to exactly one leaf: per-leaf reductions (LAMB's norms) are a segment sum over
+  per-block partials, and Triton never sees a ragged tail;
+* a leaf that is already a whole number of blocks and at least ``solo_min_elements``
+  long gets a group of its own and is used in place (a reshape, no copy);
+* a group never exceeds ``max_group_elements`` so 32-bit offsets inside a kernel are safe.
+
+Zero-size leaves take no space and are left out of every group.
+
+>>> plan = plan_layout([1000, 7, 4096 * 300], ["f32"] * 3, block_elems=4096,
+...                    solo_min_elements=1 << 20)
+>>> [(g.solo, [p.leaf for p in g.placements], g.total) for g in plan.groups]
+[(False, [0, 1], 8192), (True, [2], 1228800)]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Hashable, Sequence
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+  """Where one leaf lives in its group's buffer (all counts in elements)."""
+
+  leaf: int
+  offset: int
+  size: int
+  padded: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+  """Leaves sharing one flat buffer."""
+
+  key: Hashable
+  placements: tuple[Placement, ...]
+  total: int
+  block_elems: int
+  solo: bool
+
+  @property
+  def num_blocks(self) -> int:
+    return self.total // self.block_elems
+
+  def block_owner(self) -> np.ndarray:
+    """For each block, the index (into ``placements``) of the leaf that owns it."""
+    counts = [p.padded // self.block_elems for p in self.placements]
+    return np.repeat(np.arange(len(self.placements), dtype=np.int32), counts)
+
+  @property
+  def padding_elements(self) -> int:
+    return self.total - sum(p.size for p in self.placements)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayoutPlan:
+  groups: tuple[Group, ...]
+  block_elems: int
+
+  @property
+  def padding_fraction(self) -> float:
+    """Padding elements over all elements held (0 when nothing is padded)."""
+    total = sum(g.total for g in self.groups)
+    return sum(g.padding_elements for g in self.groups) / total if total else 0.0
+
+
+def padded_size(size: int, block_elems: int) -> int:
+  """``size`` rounded up to whole blocks."""
+  return -(-size // block_elems) * block_elems
+
+
+def plan_layout(sizes: Sequence[int], keys: Sequence[Hashable], *, block_elems: int,
+                solo_min_elements: int = 1 << 20,
+                max_group_elements: int = 1 << 30) -> LayoutPlan:
+  """Plans the flat buffers for leaves of the given ``sizes`` (element counts).
+
+  Args:
+    sizes: number of elements of each leaf.
+    keys: one hashable per leaf; only leaves with equal keys share a buffer.
+    block_elems: elements per kernel block; every placement is a multiple of it.
+    solo_min_elements: block-aligned leaves at least this long keep their own group.
+    max_group_elements: upper bound on a shared group's size (elements).
+  """
+  if len(sizes) != len(keys):
+    raise ValueError(f"got {len(sizes)} sizes but {len(keys)} keys; give one key per leaf")
+  if block_elems <= 0:
+    raise ValueError(f"{block_elems=} must be positive")
+  if max_group_elements < block_elems:
+    raise ValueError(f"{max_group_elements=} must be at least {block_elems=}")
+  groups: list[Group] = []
+  open_groups: dict[Hashable, list[Placement]] = {}
+  order: list[Hashable] = []
+
+  def close(key):
+    placements = open_groups.pop(key)
+    total = placements[-1].offset + placements[-1].padded
+    groups.append(Group(key, tuple(placements), total, block_elems, solo=False))
+
+  for leaf, (size, key) in enumerate(zip(sizes, keys)):
+    size = int(size)
+    if size < 0:
+      raise ValueError(f"leaf {leaf} has negative size {size}")
+    if size == 0:
+      continue
+    padded = padded_size(size, block_elems)
+    if padded == size and size >= solo_min_elements:
+      groups.append(Group(key, (Placement(leaf, 0, size, size),), size, block_elems, solo=True))
+      continue
+    placements = open_groups.get(key)
+    if placements is not None:
+      end = placements[-1].offset + placements[-1].padded
+      if end + padded > max_group_elements:
+        close(key)
+        placements = None
+    if placements is None:
+      open_groups[key] = placements = []
+      order.append(key)
+      end = 0
+    placements.append(Placement(leaf, end, size, padded))
+  for key in order:
+    if key in open_groups:
+      close(key)
+  groups.sort(key=lambda g: g.placements[0].leaf)
+  return LayoutPlan(tuple(groups), block_elems)

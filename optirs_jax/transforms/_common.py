@@ -1,0 +1,163 @@
+"""Machinery shared by the optimizer transforms: argument checks, tree checks, masks,
+learning rates and the step counter."""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from optirs_jax.backends import validate_backend
+from optirs_jax.pallas.executor import check_pallas_dtypes
+
+_INT32_MAX = np.iinfo(np.int32).max
+
+
+def check_number(fn: str, name: str, value: Any, *, allow_none: bool = False) -> None:
+  """A numeric hyper-parameter: a Python number or a (traced) scalar array."""
+  if value is None and allow_none:
+    return
+  if isinstance(value, bool) or not isinstance(value, (numbers.Real, jax.Array, np.ndarray,
+                                                        np.generic)):
+    raise TypeError(f"{fn}: {name}={value!r} must be a real number or a scalar array")
+  if getattr(value, "ndim", 0) != 0:
+    raise ValueError(f"{fn}: {name} must be a scalar; got an array of shape {value.shape}")
+
+
+def check_number_or_schedule(fn: str, name: str, value: Any) -> None:
+  if callable(value):
+    return
+  try:
+    check_number(fn, name, value)
+  except TypeError:
+    raise TypeError(f"{fn}: {name}={value!r} must be a number, a scalar array or a schedule "
+                    "(a callable from step count to value)") from None
+
+
+def check_flag(fn: str, name: str, value: Any) -> None:
+  if not isinstance(value, (bool, np.bool_)):
+    raise TypeError(f"{fn}: {name}={value!r} must be True or False")
+
+
+def canonical_dtype(fn: str, name: str, dtype: Any):
+  """``None`` or a floating/complex numpy dtype, checked (optax's ``canonicalize_dtype``)."""
+  if dtype is None:
+    return None
+  try:
+    dt = jnp.dtype(dtype)
+  except TypeError:
+    raise TypeError(f"{fn}: {name}={dtype!r} is not a dtype; use None or a floating dtype such "
+                    "as jnp.float32 or jnp.bfloat16") from None
+  if not jnp.issubdtype(dt, jnp.inexact):
+    raise TypeError(f"{fn}: {name}={dt} must be a floating or complex dtype")
+  return jax.dtypes.canonicalize_dtype(dt)
+
+
+def check_backend(fn: str, backend: str) -> str:
+  try:
+    return validate_backend(backend)
+  except (ValueError, RuntimeError) as e:
+    raise type(e)(f"{fn}: {e}") from None
+
+
+def safe_increment(count: jax.Array) -> jax.Array:
+  """``count + 1`` that stays at the int32 maximum instead of wrapping."""
+  return jnp.where(count < _INT32_MAX, count + 1, jnp.int32(_INT32_MAX))
+
+
+def learning_rate(lr, count) -> tuple[Any, bool]:
+  """``(-lr at this count, cast_to_update_dtype)`` as optax's ``scale_by_learning_rate``."""
+  if callable(lr):
+    return -1 * lr(count), True
+  return -1 * lr, False
+
+
+def weight_decay_value(wd, count):
+  """The decay at this count, and whether the decay term exists at all (optax skips a
+  Python-constant zero)."""
+  if isinstance(wd, (int, float)) and not isinstance(wd, bool) and wd == 0.0:
+    return 0.0, False
+  return (wd(count) if callable(wd) else wd), True
+
+
+def _describe(tree) -> str:
+  text = str(jax.tree.structure(tree))
+  return text if len(text) <= 300 else text[:300] + "..."
+
+
+def flatten(fn: str, what: str, tree) -> tuple[list, list[str], Any]:
+  """Leaves, their key paths as text, and the treedef; every leaf must be a float array."""
+  with_paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
+  paths = [jax.tree_util.keystr(p) or "<root>" for p, _ in with_paths]
+  leaves = []
+  for path, (_, x) in zip(paths, with_paths):
+    if not hasattr(x, "dtype") or not hasattr(x, "shape"):
+      raise TypeError(f"{fn}: {what} leaf {path} is {type(x).__name__}, not an array")
+    if not jnp.issubdtype(x.dtype, jnp.inexact):
+      raise TypeError(f"{fn}: {what} leaf {path} has dtype {x.dtype}; valid dtypes are floating "
+                      "(float32, bfloat16, float16, float64) and complex")
+    leaves.append(x)
+  return leaves, paths, treedef
+
+
+def match(fn: str, what: str, tree, treedef, ref_leaves: Sequence, paths: Sequence[str],
+          ref_what: str = "updates") -> list:
+  """Leaves of ``tree``, checked to have ``treedef`` and the shapes of ``ref_leaves``."""
+  leaves, tdef = jax.tree.flatten(tree)
+  if tdef != treedef:
+    raise ValueError(f"{fn}: {what} do not have the structure of the {ref_what}: "
+                     f"{what} {_describe(tree)} vs {ref_what} {treedef}"[:800])
+  for x, r, path in zip(leaves, ref_leaves, paths):
+    if not hasattr(x, "shape") or x.shape != r.shape:
+      raise ValueError(f"{fn}: {what} leaf {path} has shape {getattr(x, 'shape', None)} but the "
+                       f"{ref_what} leaf has shape {r.shape}")
+  return leaves
+
+
+def mask_flags(fn: str, mask, tree, treedef) -> list[bool]:
+  """Per-leaf booleans from an optax-style mask: a (prefix) tree of bools or a callable."""
+  if mask is None:
+    return [True] * treedef.num_leaves
+  m = mask(tree) if callable(mask) else mask
+  try:
+    full = jax.tree.map(lambda flag, sub: jax.tree.map(lambda _: flag, sub), m, tree)
+  except (ValueError, TypeError) as e:
+    raise ValueError(f"{fn}: mask must be a tree of bools with the structure of (a prefix of) "
+                     f"the params: {e}") from None
+  flags = jax.tree.leaves(full)
+  for f in flags:
+    if not isinstance(f, (bool, np.bool_)):
+      raise TypeError(f"{fn}: mask leaves must be Python bools (static), got {f!r}")
+  return [bool(f) for f in flags]
+
+
+def require_params(fn: str, params) -> None:
+  if params is None:
+    raise ValueError(f"{fn}: {optax.NO_PARAMS_MSG}")
+
+
+def pallas_dtype_check(backend: str, leaves: Sequence[tuple], paths: Sequence[str]) -> None:
+  if backend == "pallas":
+    check_pallas_dtypes(leaves, paths)
+
+
+def split_by(flags: Sequence[bool]) -> list[tuple[bool, list[int]]]:
+  """Indices grouped by flag value, ``True`` first, omitting empty groups."""
+  groups = [(v, [i for i, f in enumerate(flags) if f == v]) for v in (True, False)]
+  return [(v, idx) for v, idx in groups if idx]
+
+
+def zeros_like(tree, dtype=None):
+  return jax.tree.map(lambda x: jnp.zeros_like(x, dtype=dtype), tree)
+
+
+def full_like(tree, value):
+  return jax.tree.map(lambda x: jnp.full_like(x, value), tree)
+
+
+Rule = Callable[..., tuple]
