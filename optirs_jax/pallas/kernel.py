@@ -56,11 +56,13 @@ def _body(h_ref, *refs, rule, names, n_in, n_out, norm_inputs, norm_outputs):
   # inputs: h_ref, n_in data blocks; outputs: n_out data blocks, then partial norms.
   h = Hyper({name: h_ref[i] for i, name in enumerate(names)})
   in_refs, out_refs, norm_refs = refs[:n_in], refs[n_in:n_in + n_out], refs[n_in + n_out:]
-  ins = [r[...] for r in in_refs]
+  # Compute in float32 and round once on store (half-precision leaves included).
+  ins = [r[...].astype(jnp.float32) for r in in_refs]
   outs = [x.astype(r.dtype) for r, x in zip(out_refs, rule(h, *ins))]
   for r, x in zip(out_refs, outs):
     r[...] = x
   sources = [ins[i] for i in norm_inputs] + [outs[i] for i in norm_outputs]
+  # Sums of squares of the values as stored (an output is squared after its rounding).
   for r, x in zip(norm_refs, sources):
     x = x.astype(jnp.float32)
     r[...] = jnp.sum(x * x, axis=0, keepdims=True)

@@ -70,6 +70,11 @@ def safe_increment(count: jax.Array) -> jax.Array:
   return jnp.where(count < _INT32_MAX, count + 1, jnp.int32(_INT32_MAX))
 
 
+def as_float(count: jax.Array) -> jax.Array:
+  """The step count as float32: what optax's ``decay**count`` promotes it to."""
+  return count.astype(jnp.float32)
+
+
 def learning_rate(lr, count) -> tuple[Any, bool]:
   """``(-lr at this count, cast_to_update_dtype)`` as optax's ``scale_by_learning_rate``."""
   if callable(lr):

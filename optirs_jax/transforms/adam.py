@@ -49,10 +49,10 @@ def _adam_family(fn: str, learning_rate, b1, b2, eps, eps_root, mu_dtype, weight
       p = c.match(fn, "params", params, treedef, g, paths)
     count_inc = c.safe_increment(state.count)
     neg_lr, cast_lr = c.learning_rate(learning_rate, state.count)
+    step, next_step = c.as_float(count_inc), c.as_float(c.safe_increment(count_inc))
     h = rules.Hyper(
         b1=b1, c1=1 - b1, b2=b2, c2=1 - b2, eps=eps, eps_root=eps_root,
-        bc1=1 - b1**count_inc, bc1_next=1 - b1**c.safe_increment(count_inc),
-        bc2=1 - b2**count_inc, wd=wd, neg_lr=neg_lr)
+        bc1=1 - b1**step, bc1_next=1 - b1**next_step, bc2=1 - b2**step, wd=wd, neg_lr=neg_lr)
     decays = c.mask_flags(fn, mask, updates, treedef) if has_decay else [False] * len(g)
     with_p = [decays[i] or trust_ratio for i in range(len(g))]
     leaves = [(g[i], mu[i], nu[i]) + ((p[i],) if with_p[i] else ()) for i in range(len(g))]

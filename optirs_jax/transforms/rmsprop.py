@@ -97,7 +97,7 @@ def rmsprop(learning_rate: optax.ScalarOrSchedule, decay: jax.typing.ArrayLike =
     count_inc = c.safe_increment(state.count)
     neg_lr, cast_lr = c.learning_rate(learning_rate, state.count)
     h = rules.Hyper(decay=decay, c_decay=1 - decay, eps=eps,
-                    bc=(1 - decay**count_inc) if bias_correction else 1.0,
+                    bc=(1 - decay**c.as_float(count_inc)) if bias_correction else 1.0,
                     momentum=momentum if has_trace else 0.0, neg_lr=neg_lr)
     leaves = [(g[i],) + tuple(s[i] for s in slots) for i in range(len(g))]
     c.pallas_dtype_check(backend, leaves, paths)

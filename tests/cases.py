@@ -1,0 +1,87 @@
+"""Shared test material: the option matrix, ragged pytrees and an optax-side runner."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import optirs_jax
+
+RAGGED_SHAPES = {"one": (1,), "seven": (7,), "forty_two": (42,), "thousand": (1000,),
+                 "cube": (3, 5, 7), "scalar": (), "block": (4096,), "rows": (33, 128)}
+
+# (optimizer name, keyword arguments) covering every option of every optimizer.
+CASES = [
+    ("adam", {}),
+    ("adam", {"b1": 0.8, "b2": 0.99, "eps": 1e-6, "eps_root": 1e-8}),
+    ("adam", {"nesterov": True}),
+    ("adam", {"mu_dtype": jnp.float32}),
+    ("adamw", {}),
+    ("adamw", {"weight_decay": 0.05, "nesterov": True}),
+    ("adamw", {"weight_decay": 0.1, "mask": lambda p: jax.tree.map(lambda x: x.ndim > 1, p)}),
+    ("adamw", {"weight_decay": optax.linear_schedule(0.1, 0.0, 50)}),
+    ("sgd", {}),
+    ("sgd", {"momentum": 0.9}),
+    ("sgd", {"momentum": 0.9, "nesterov": True}),
+    ("sgd", {"momentum": 0.5, "accumulator_dtype": jnp.float32}),
+    ("rmsprop", {}),
+    ("rmsprop", {"centered": True}),
+    ("rmsprop", {"momentum": 0.9}),
+    ("rmsprop", {"momentum": 0.9, "nesterov": True, "centered": True}),
+    ("rmsprop", {"eps_in_sqrt": False, "initial_scale": 0.1}),
+    ("rmsprop", {"bias_correction": True, "decay": 0.95}),
+    # initial_scale > 0: at step 1 a bias-corrected centered variance is exactly 0 (NaN in optax).
+    ("rmsprop", {"bias_correction": True, "centered": True, "eps_in_sqrt": False,
+                 "initial_scale": 1.0}),
+    ("adagrad", {}),
+    ("adagrad", {"initial_accumulator_value": 0.0, "eps": 1e-5}),
+    ("lamb", {}),
+    ("lamb", {"weight_decay": 0.01}),
+    ("lamb", {"weight_decay": 0.01, "mask": {"one": False, "seven": True, "forty_two": True,
+                                             "thousand": False, "cube": True, "scalar": False,
+                                             "block": True, "rows": True}}),
+]
+
+
+def case_id(case) -> str:
+  name, kw = case
+  parts = [f"{k}={getattr(v, '__name__', v) if not callable(v) else 'fn'}" for k, v in kw.items()]
+  return name + ("[" + ",".join(parts) + "]" if parts else "")
+
+
+def ragged_tree(seed: int, dtype=jnp.float32, shapes=RAGGED_SHAPES):
+  keys = jax.random.split(jax.random.PRNGKey(seed), len(shapes))
+  return {name: jax.random.normal(k, shape, jnp.float32).astype(dtype)
+          for k, (name, shape) in zip(keys, shapes.items())}
+
+
+def pair(name: str, kw: dict, backend: str, lr=1e-2):
+  """(optirs_jax transformation, optax transformation) for one case."""
+  return getattr(optirs_jax, name)(lr, **kw, backend=backend), getattr(optax, name)(lr, **kw)
+
+
+def loss(params):
+  """A smooth loss whose gradient depends on the params: a step that differs shows up."""
+  return sum(jnp.sum(0.5 * x * x + 0.25 * jnp.cos(x) - 0.3 * x) for x in jax.tree.leaves(params))
+
+
+def trajectory(opt, params, steps: int):
+  """Params after ``steps`` jitted steps of ``opt`` on :func:`loss`."""
+
+  @jax.jit
+  def step(params, state):
+    grads = jax.grad(loss)(params)
+    updates, state = opt.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  state = opt.init(params)
+  for _ in range(steps):
+    params, state = step(params, state)
+  return params, state
+
+
+def rel_err(a, b) -> float:
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
