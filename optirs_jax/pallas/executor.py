@@ -34,8 +34,8 @@ PALLAS_DTYPES = KERNEL_DTYPES["cuda"]
 
 
 def norm_dtype(x: jax.Array):
-  """The dtype a per-leaf norm is carried in: the real type of ``x``, at least float32."""
-  return jnp.promote_types(jnp.finfo(x.dtype).dtype, jnp.float32)
+  """The dtype a per-leaf norm is carried in: float64 for 64-bit leaves, else float32."""
+  return jnp.float64 if jnp.finfo(x.dtype).bits > 32 else jnp.float32
 
 
 def _reference(rule, h, leaves, norm_of):

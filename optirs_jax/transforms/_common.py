@@ -10,7 +10,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from optirs_jax.backends import validate_backend
 from optirs_jax.pallas.executor import check_pallas_dtypes
@@ -71,8 +70,9 @@ def safe_increment(count: jax.Array) -> jax.Array:
 
 
 def as_float(count: jax.Array) -> jax.Array:
-  """The step count as float32: what optax's ``decay**count`` promotes it to."""
-  return count.astype(jnp.float32)
+  """The step count as the default float type: what optax's ``decay**count`` promotes it to
+  (float32, or float64 with ``jax_enable_x64``)."""
+  return count.astype(jax.dtypes.canonicalize_dtype(jnp.float64))
 
 
 def learning_rate(lr, count) -> tuple[Any, bool]:
@@ -143,7 +143,8 @@ def mask_flags(fn: str, mask, tree, treedef) -> list[bool]:
 
 def require_params(fn: str, params) -> None:
   if params is None:
-    raise ValueError(f"{fn}: {optax.NO_PARAMS_MSG}")
+    raise ValueError(f"{fn}: this transformation needs the params: call "
+                     "update(updates, state, params)")
 
 
 def pallas_dtype_check(backend: str, leaves: Sequence[tuple], paths: Sequence[str]) -> None:

@@ -1,0 +1,114 @@
+"""Half precision, mixed accumulator dtypes and complex parameters, against optax."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tests import cases
+
+HALF = [jnp.bfloat16, jnp.float16]
+BACKENDS = ["jnp", "pallas"]
+SIMPLE = [("adam", {}), ("adamw", {}), ("sgd", {"momentum": 0.9}), ("rmsprop", {}),
+          ("rmsprop", {"centered": True}), ("adagrad", {}), ("lamb", {"weight_decay": 0.01})]
+
+
+def _run(ours, ref, params, grads, steps=3):
+  s, rs = ours.init(params), ref.init(params)
+  for _ in range(steps):
+    u, s = jax.jit(ours.update)(grads, s, params)
+    with jax.numpy_dtype_promotion("standard"):
+      ru, rs = jax.jit(ref.update)(grads, rs, params)
+  return u, s, ru, rs
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", HALF, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("case", SIMPLE, ids=cases.case_id)
+def test_half_precision_params(case, dtype, backend):
+  """Updates keep the gradients' dtype and state dtypes are stable, as in optax.
+
+  The reference repeats optax's half-precision arithmetic bit for bit. The kernels compute
+  in float32 and round once on store: one step is float32 math rounded to the half type,
+  and over several bfloat16 steps they stay within a few ulps of optax. (optax's float16
+  moments fall into subnormals, e.g. 0.001 * g**2, so float16 is compared on one step.)
+  """
+  name, kw = case
+  ours, ref = cases.pair(name, kw, backend)
+  params, grads = cases.ragged_tree(0, dtype), cases.ragged_tree(1, dtype)
+  u, s, ru, rs = _run(ours, ref, params, grads)
+  chex.assert_trees_all_equal_dtypes(u, ru)
+  chex.assert_trees_all_equal_dtypes(u, grads)
+  chex.assert_trees_all_equal_dtypes(s, ours.init(params))  # stable across steps
+  eps = float(jnp.finfo(dtype).eps)
+  if backend == "jnp":
+    chex.assert_trees_all_close(u, ru, rtol=0, atol=0)
+  elif dtype == jnp.bfloat16:
+    chex.assert_trees_all_close(u, ru, rtol=4 * eps, atol=1e-6)
+  if backend == "jnp":
+    return
+  up = lambda t: jax.tree.map(lambda x: x.astype(jnp.float32), t)
+  u1, _ = jax.jit(ours.update)(grads, ours.init(params), params)
+  with jax.numpy_dtype_promotion("standard"):
+    ref32 = getattr(__import__("optax"), name)(1e-2, **kw)
+    want, _ = ref32.update(up(grads), ref32.init(up(params)), up(params))
+  tol = 4 * eps if name == "lamb" else eps  # LAMB's ratio is applied in the half type
+  chex.assert_trees_all_close(up(u1), up(jax.tree.map(lambda x: x.astype(dtype), want)),
+                              rtol=tol, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("mu_dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+def test_adam_mu_dtype(mu_dtype, backend, standard_promotion):
+  ours, ref = cases.pair("adam", {"mu_dtype": mu_dtype}, backend)
+  params, grads = cases.ragged_tree(0), cases.ragged_tree(1)
+  u, s, ru, rs = _run(ours, ref, params, grads)
+  assert all(m.dtype == mu_dtype for m in jax.tree.leaves(s.mu))
+  assert all(v.dtype == jnp.float32 for v in jax.tree.leaves(s.nu))
+  chex.assert_trees_all_equal_dtypes(u, ru)
+  # bf16 moments: the kernel rounds once where optax rounds each op (one bf16 ulp apart).
+  tol = 2 * float(jnp.finfo(mu_dtype).eps) if backend == "pallas" else 0.0
+  chex.assert_trees_all_close(u, ru, rtol=tol, atol=1e-5 if tol else 0.0)
+  chex.assert_trees_all_close(s.mu, rs[0].mu, rtol=tol, atol=0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sgd_accumulator_dtype(backend, standard_promotion):
+  ours, ref = cases.pair("sgd", {"momentum": 0.9, "accumulator_dtype": jnp.bfloat16}, backend)
+  params, grads = cases.ragged_tree(0), cases.ragged_tree(1)
+  u, s, ru, rs = _run(ours, ref, params, grads)
+  assert all(t.dtype == jnp.bfloat16 for t in jax.tree.leaves(s.trace))
+  chex.assert_trees_all_equal_dtypes(u, ru)
+  chex.assert_trees_all_close(u, ru, rtol=1e-2 if backend == "pallas" else 0, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", SIMPLE, ids=cases.case_id)
+def test_complex64_params(case, backend, standard_promotion):
+  """Complex leaves run on the reference (also under ``backend='pallas'``)."""
+  name, kw = case
+  ours, ref = cases.pair(name, kw, backend)
+  params = jax.tree.map(lambda x: jax.lax.complex(x, 0.5 * jnp.flip(x)), cases.ragged_tree(0))
+  grads = jax.tree.map(lambda x: jax.lax.complex(x, -0.25 * x), cases.ragged_tree(1))
+  u, s, ru, rs = _run(ours, ref, params, grads)
+  chex.assert_trees_all_equal_dtypes(u, ru)
+  chex.assert_trees_all_close(u, ru, rtol=0, atol=0)
+
+
+def test_mixed_real_and_complex_tree_on_pallas(standard_promotion):
+  ours, ref = cases.pair("adam", {}, "pallas")
+  params = {"r": jnp.linspace(-1.0, 1.0, 300),
+            "c": jax.lax.complex(jnp.ones(5), jnp.full(5, 2.0))}
+  grads = jax.tree.map(lambda x: x * 0.1, params)
+  u, _, ru, _ = _run(ours, ref, params, grads)
+  chex.assert_trees_all_close(u, ru, rtol=1e-6, atol=1e-9)
+
+
+def test_float64_params_with_x64_on_the_reference():
+  with jax.enable_x64(True):
+    ours, ref = cases.pair("adam", {}, "auto")
+    params = {"w": jnp.linspace(-1.0, 1.0, 50, dtype=jnp.float64)}
+    u, _, ru, _ = _run(ours, ref, params, params)
+    assert u["w"].dtype == jnp.float64
+    chex.assert_trees_all_close(u, ru, rtol=0, atol=0)

@@ -1,0 +1,120 @@
+"""Bad input gets a clear error that names the bad value, and loses nothing."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optirs_jax
+
+PARAMS = {"w": jnp.ones((3, 4)), "b": jnp.zeros(4)}
+
+
+def test_unknown_backend_lists_the_valid_ones():
+  with pytest.raises(ValueError, match=r"backend='cuda'.*\('auto', 'jnp', 'pallas'\)"):
+    optirs_jax.adam(1e-3, backend="cuda")
+
+
+def test_supported_and_available_backends():
+  assert optirs_jax.SUPPORTED_BACKENDS == ("auto", "jnp", "pallas")
+  assert set(optirs_jax.available_backends()) <= set(optirs_jax.SUPPORTED_BACKENDS)
+  assert {"auto", "jnp"} <= set(optirs_jax.available_backends())
+
+
+def test_unavailable_backend_names_what_is_available(monkeypatch):
+  from optirs_jax import backends
+  monkeypatch.setattr(backends, "_pallas_import_error", lambda: "ImportError: no pallas here")
+  with pytest.raises(RuntimeError, match=r"backend='pallas' cannot run here.*\('auto', 'jnp'\)"):
+    optirs_jax.sgd(0.1, backend="pallas")
+
+
+@pytest.mark.parametrize("bad", ["0.1", None, [0.1]])
+def test_learning_rate_must_be_a_number_or_schedule(bad):
+  with pytest.raises(TypeError, match="learning_rate="):
+    optirs_jax.adam(bad)
+
+
+def test_hyperparameter_types_are_checked():
+  with pytest.raises(TypeError, match=r"b1='0.9'"):
+    optirs_jax.adam(1e-3, b1="0.9")
+  with pytest.raises(ValueError, match="eps must be a scalar"):
+    optirs_jax.adam(1e-3, eps=jnp.ones(3))
+  with pytest.raises(TypeError, match="nesterov=1"):
+    optirs_jax.sgd(0.1, momentum=0.9, nesterov=1)
+  with pytest.raises(TypeError, match="mu_dtype=int32 must be a floating"):
+    optirs_jax.adam(1e-3, mu_dtype=jnp.int32)
+  with pytest.raises(TypeError, match="accumulator_dtype='nope'"):
+    optirs_jax.sgd(0.1, momentum=0.9, accumulator_dtype="nope")
+  with pytest.raises(ValueError, match="initial_accumulator_value=-1"):
+    optirs_jax.adagrad(0.1, initial_accumulator_value=-1.0)
+
+
+def test_negative_learning_rate_is_accepted_as_in_optax():
+  """optax 0.2.8 takes a negative learning rate (gradient ascent); so does optirs_jax."""
+  u, _ = optirs_jax.sgd(-0.5).update(PARAMS, optirs_jax.sgd(-0.5).init(PARAMS))
+  ru, _ = optax.sgd(-0.5).update(PARAMS, optax.sgd(-0.5).init(PARAMS))
+  np.testing.assert_array_equal(u["w"], ru["w"])
+
+
+def test_grads_with_another_structure():
+  opt = optirs_jax.adam(1e-3)
+  state = opt.init(PARAMS)
+  with pytest.raises(ValueError, match="state.mu do not have the structure of the updates"):
+    opt.update({"w": jnp.ones((3, 4))}, state)
+
+
+def test_grads_with_another_shape_name_the_leaf():
+  opt = optirs_jax.adamw(1e-3)
+  state = opt.init(PARAMS)
+  grads = {"w": jnp.ones((4, 3)), "b": jnp.zeros(4)}
+  with pytest.raises(ValueError, match=r"state.mu leaf \['w'\] has shape \(3, 4\).*\(4, 3\)"):
+    opt.update(grads, state, PARAMS)
+
+
+def test_params_with_another_shape():
+  opt = optirs_jax.lamb(1e-3)
+  state = opt.init(PARAMS)
+  with pytest.raises(ValueError, match=r"params leaf \['b'\] has shape \(5,\)"):
+    opt.update(PARAMS, state, {"w": jnp.ones((3, 4)), "b": jnp.zeros(5)})
+
+
+@pytest.mark.parametrize("name", ["adamw", "lamb"])
+def test_missing_params(name):
+  opt = getattr(optirs_jax, name)(1e-3)
+  with pytest.raises(ValueError, match="params"):
+    opt.update(PARAMS, opt.init(PARAMS))
+
+
+def test_integer_params_are_rejected_with_the_leaf_and_valid_dtypes():
+  with pytest.raises(TypeError, match=r"params leaf \['n'\] has dtype int32; valid dtypes"):
+    optirs_jax.adam(1e-3).init({"n": jnp.arange(3)})
+
+
+def test_unsupported_dtype_on_explicit_pallas_backend():
+  opt = optirs_jax.adam(1e-3, backend="pallas")
+  with jax.enable_x64(True):
+    params = {"w": jnp.ones(3, jnp.float64)}
+    with pytest.raises(TypeError, match=r"backend='pallas' cannot run leaf \['w'\] of dtype "
+                                        r"float64; valid dtypes are \['bfloat16', 'float16', "
+                                        r"'float32'\]"):
+      opt.update(params, opt.init(params))
+
+
+def test_bad_mask():
+  opt = optirs_jax.adamw(1e-3, mask={"w": True})
+  with pytest.raises(ValueError, match="mask must be a tree of bools"):
+    opt.update(PARAMS, opt.init(PARAMS), PARAMS)
+  opt = optirs_jax.adamw(1e-3, mask=lambda p: jax.tree.map(lambda x: jnp.array(True), p))
+  with pytest.raises(TypeError, match="mask leaves must be Python bools"):
+    opt.update(PARAMS, opt.init(PARAMS), PARAMS)
+
+
+def test_a_failed_step_leaves_donated_state_usable():
+  opt = optirs_jax.adam(1e-3)
+  state = opt.init(PARAMS)
+  step = jax.jit(opt.update, donate_argnums=(1,))
+  with pytest.raises(ValueError):
+    step({"w": jnp.ones((3, 5)), "b": jnp.zeros(4)}, state, PARAMS)
+  updates, new_state = step(PARAMS, state, PARAMS)  # the state was not consumed
+  assert int(new_state.count) == 1 and updates["w"].shape == (3, 4)
