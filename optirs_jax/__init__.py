@@ -14,6 +14,7 @@ dtype('float32')
 
 from importlib import metadata as _metadata
 
+from optirs_jax.apply import apply
 from optirs_jax.backends import SUPPORTED_BACKENDS, available_backends
 from optirs_jax.transforms import (AdagradState, AdamState, RmspropState, SgdState, adagrad, adam,
                                    adamw, lamb, rmsprop, sgd)
@@ -25,5 +26,5 @@ except _metadata.PackageNotFoundError:  # running from a source tree
 
 __all__ = [
     "SUPPORTED_BACKENDS", "AdagradState", "AdamState", "RmspropState", "SgdState", "adagrad",
-    "adam", "adamw", "available_backends", "lamb", "rmsprop", "sgd",
+    "adam", "adamw", "apply", "available_backends", "lamb", "rmsprop", "sgd",
 ]

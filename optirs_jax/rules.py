@@ -170,3 +170,24 @@ def adagrad_rule(h: Hyper, g, s, *, cast_lr: bool):
   new_s = abs_sq(g) + s
   inv = jnp.where(new_s > 0, jax.lax.rsqrt(new_s + h.eps), 0.0)
   return _scale_lr(h, inv * g, cast_lr), new_s
+
+
+# ----------------------------------------------------------------------------- fused apply
+
+def applying(rule, p_index: int | None = None):
+  """Turns ``rule(h, *args) -> (u, *state)`` into a rule returning ``(p + u, *state)``.
+
+  The new params are written in the same pass as the state, in the params' dtype, exactly as
+  ``optax.apply_updates`` would compute them. ``p`` is ``args[p_index]`` when the rule takes
+  the params itself, else one more argument after the rule's own.
+  """
+
+  def apply_rule(h: Hyper, *args):
+    if p_index is None:
+      *args, p = args
+    else:
+      p = args[p_index]
+    u, *rest = rule(h, *args)
+    return ((p + u).astype(p.dtype), *rest)
+
+  return apply_rule

@@ -42,18 +42,32 @@ def test_bad_input(kwargs, match):
     plan_layout(**kwargs)
 
 
+def test_a_large_ragged_leaf_stands_alone_when_its_size_fits_the_lanes():
+  plan = plan_layout([128 * 1000 + 128, 128 * 1000 + 1], ["k"] * 2, block_elems=4096,
+                     solo_min_elements=100_000, solo_multiple=128)
+  solo, shared = sorted(plan.groups, key=lambda g: not g.solo)
+  assert solo.solo and solo.total == 128 * 1001 and solo.num_blocks == 32
+  assert not shared.solo and shared.total == padded_size(128 * 1000 + 1, 4096)
+
+
 @settings(max_examples=200, deadline=None)
 @given(sizes=st.lists(st.integers(0, 5000), max_size=40),
        keys=st.lists(st.sampled_from("abc"), min_size=40, max_size=40),
        block=st.sampled_from([1, 128, 1024]), solo=st.integers(1, 4096),
-       cap=st.integers(1024, 20000))
-def test_layout_properties(sizes, keys, block, solo, cap):
+       multiple=st.sampled_from([None, 1, 8, 128]), cap=st.integers(1024, 20000))
+def test_layout_properties(sizes, keys, block, solo, multiple, cap):
   keys = keys[:len(sizes)]
   plan = plan_layout(sizes, keys, block_elems=block, solo_min_elements=solo,
-                     max_group_elements=cap)
+                     solo_multiple=multiple, max_group_elements=cap)
   placed = sorted(p.leaf for g in plan.groups for p in g.placements)
   assert placed == [i for i, s in enumerate(sizes) if s > 0]  # every non-empty leaf, once
   for g in plan.groups:
+    assert len(g.block_owner()) == g.num_blocks
+    if g.solo:  # used in place: no copy, no padding
+      (p,) = g.placements
+      assert p.size >= solo and p.size % (multiple or block) == 0
+      assert (p.offset, p.padded, g.total) == (0, p.size, p.size)
+      continue
     end = 0
     for p in g.placements:
       assert keys[p.leaf] == g.key and p.size == sizes[p.leaf]
@@ -61,6 +75,5 @@ def test_layout_properties(sizes, keys, block, solo, cap):
       assert p.padded == padded_size(p.size, block) and p.padded - p.size < block
       end = p.offset + p.padded
     assert g.total == end and g.total % block == 0
-    assert g.solo or g.total <= max(cap, max(p.padded for p in g.placements))
-    assert len(g.block_owner()) == g.num_blocks
+    assert g.total <= max(cap, max(p.padded for p in g.placements))
   assert 0.0 <= plan.padding_fraction < 1.0

@@ -29,6 +29,8 @@ KERNEL_DTYPES = {
     "interpret": frozenset({jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16),
                             jnp.dtype(jnp.float16)}),
 }
+# Leaves of at least this many blocks run in place, one launch each; smaller ones are packed.
+SOLO_MIN_BLOCKS = 64
 # Pallas, for every platform it runs on: a dtype outside this set is an error on backend="pallas".
 PALLAS_DTYPES = KERNEL_DTYPES["cuda"]
 
@@ -79,7 +81,9 @@ def _kernel(rule, h, names, leaves, pads, norm_of, aliases, platform, name):
     return outs, (norms if norm_of is not None else None)
   keys = [(tuple(x.dtype for x in leaves[i]), tuple(a.dtype for a in out_avals[i]))
           for i in k_idx]
-  plan = plan_layout([leaves[i][0].size for i in k_idx], keys, block_elems=tiling.block_elems)
+  plan = plan_layout([leaves[i][0].size for i in k_idx], keys, block_elems=tiling.block_elems,
+                     solo_min_elements=SOLO_MIN_BLOCKS * tiling.block_elems,
+                     solo_multiple=tiling.lanes)
   hvec = hyper_vector(h, names)
   norm_in, norm_out = norm_of if norm_of is not None else ((), ())
   for group in plan.groups:

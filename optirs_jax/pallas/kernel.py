@@ -52,20 +52,29 @@ TILINGS: Mapping[str, Tiling] = {
 }
 
 
+def block_math(h: Hyper, blocks: Sequence[jax.Array], rule: Callable, out_dtypes: Sequence,
+               norm_inputs: Sequence[int] = (), norm_outputs: Sequence[int] = ()):
+  """What the kernel computes on one block: outputs and lane-wise partial sums of squares.
+
+  Computes in float32 and rounds once on store (half-precision leaves included); a norm of
+  an output squares the value as stored.
+  """
+  ins = [x.astype(jnp.float32) for x in blocks]
+  outs = [x.astype(dt) for x, dt in zip(rule(h, *ins), out_dtypes)]
+  sources = [ins[i] for i in norm_inputs] + [outs[i] for i in norm_outputs]
+  sums = [jnp.sum(x.astype(jnp.float32) * x.astype(jnp.float32), axis=0, keepdims=True)
+          for x in sources]
+  return outs, sums
+
+
 def _body(h_ref, *refs, rule, names, n_in, n_out, norm_inputs, norm_outputs):
   # inputs: h_ref, n_in data blocks; outputs: n_out data blocks, then partial norms.
   h = Hyper({name: h_ref[i] for i, name in enumerate(names)})
   in_refs, out_refs, norm_refs = refs[:n_in], refs[n_in:n_in + n_out], refs[n_in + n_out:]
-  # Compute in float32 and round once on store (half-precision leaves included).
-  ins = [r[...].astype(jnp.float32) for r in in_refs]
-  outs = [x.astype(r.dtype) for r, x in zip(out_refs, rule(h, *ins))]
-  for r, x in zip(out_refs, outs):
+  outs, sums = block_math(h, [r[...] for r in in_refs], rule, [r.dtype for r in out_refs],
+                          norm_inputs, norm_outputs)
+  for r, x in zip(out_refs + norm_refs, outs + sums):
     r[...] = x
-  sources = [ins[i] for i in norm_inputs] + [outs[i] for i in norm_outputs]
-  # Sums of squares of the values as stored (an output is squared after its rounding).
-  for r, x in zip(norm_refs, sources):
-    x = x.astype(jnp.float32)
-    r[...] = jnp.sum(x * x, axis=0, keepdims=True)
 
 
 def _compiler_params(platform: str, tiling: Tiling):
@@ -95,7 +104,8 @@ def elementwise_call(rule: Callable, names: Sequence[str], hvec: jax.Array,
     rule: ``rule(h, *blocks) -> tuple of blocks``; ``h`` holds the named scalars.
     names: hyper-parameter names, in the order of ``hvec``.
     hvec: ``f32[NHP]`` traced hyper-parameter vector.
-    inputs: 2-D arrays; rows must be a multiple of the platform's ``block_rows``.
+    inputs: 2-D arrays with the platform's lanes; rows past the last whole block are
+      computed by the same math in jnp and written in place.
     out_dtypes: dtype of each rule output.
     platform: ``"cuda"``, ``"tpu"`` or ``"interpret"``.
     aliases: ``{input position: output position}`` to update in place.
@@ -104,13 +114,14 @@ def elementwise_call(rule: Callable, names: Sequence[str], hvec: jax.Array,
   """
   tiling = TILINGS[platform]
   rows, lanes = inputs[0].shape
-  if lanes != tiling.lanes or rows % tiling.block_rows:
-    raise ValueError(f"inputs of shape {inputs[0].shape} must be (k * {tiling.block_rows}, "
-                     f"{tiling.lanes}) for platform={platform!r}")
+  if lanes != tiling.lanes:
+    raise ValueError(f"inputs of shape {inputs[0].shape} must have {tiling.lanes} lanes")
   for x in inputs:
     if x.shape != inputs[0].shape:
       raise ValueError(f"all inputs must share one shape; got {x.shape} and {inputs[0].shape}")
-  num_blocks = rows // tiling.block_rows
+  num_blocks, tail_rows = divmod(rows, tiling.block_rows)
+  if num_blocks == 0:
+    return _tail(rule, names, hvec, inputs, out_dtypes, norm_inputs, norm_outputs)
   block = pl.BlockSpec((tiling.block_rows, lanes), lambda i: (i, 0))
   norm_block = pl.BlockSpec((None, 1, lanes), lambda i: (i, 0, 0))
   if platform == "tpu":
@@ -123,7 +134,9 @@ def elementwise_call(rule: Callable, names: Sequence[str], hvec: jax.Array,
   body = functools.partial(_body, rule=rule, names=tuple(names), n_in=len(inputs),
                            n_out=len(out_dtypes), norm_inputs=tuple(norm_inputs),
                            norm_outputs=tuple(norm_outputs))
-  return pl.pallas_call(
+  # The grid covers whole blocks only; rows past the last whole block (a leaf used in place
+  # whose size is not a multiple of the block) are computed below and written in place.
+  results = pl.pallas_call(
       body,
       out_shape=tuple(out_shape),
       grid=(num_blocks,),
@@ -134,3 +147,19 @@ def elementwise_call(rule: Callable, names: Sequence[str], hvec: jax.Array,
       compiler_params=_compiler_params(platform, tiling),
       name=name,
   )(hvec, *inputs)
+  if not tail_rows:
+    return results
+  start = num_blocks * tiling.block_rows
+  tail = _tail(rule, names, hvec, [x[start:] for x in inputs], out_dtypes, norm_inputs,
+               norm_outputs)
+  n_out = len(out_dtypes)
+  data = [y.at[start:].set(t) for y, t in zip(results[:n_out], tail[:n_out])]
+  partials = [jnp.concatenate([p, t]) for p, t in zip(results[n_out:], tail[n_out:])]
+  return tuple(data + partials)
+
+
+def _tail(rule, names, hvec, inputs, out_dtypes, norm_inputs, norm_outputs):
+  """The kernel's math on a partial block, in jnp (one fused XLA op on a few rows)."""
+  h = Hyper({name: hvec[i] for i, name in enumerate(names)})
+  outs, sums = block_math(h, inputs, rule, out_dtypes, norm_inputs, norm_outputs)
+  return tuple(outs) + tuple(x[None] for x in sums)

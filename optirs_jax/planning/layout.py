@@ -9,8 +9,9 @@ buffer and where each one sits:
 * every leaf starts on a block boundary and is padded to whole blocks, so every block
   belongs to exactly one leaf: per-leaf reductions (LAMB's norms) are a segment sum over
   per-block partials, and Triton never sees a ragged tail;
-* a leaf that is already a whole number of blocks and at least ``solo_min_elements``
-  long gets a group of its own and is used in place (a reshape, no copy);
+* a leaf at least ``solo_min_elements`` long whose size is a multiple of ``solo_multiple``
+  (the kernel's lane count) gets a group of its own and is used in place (a reshape, no
+  copy); its last, partial block (if any) is the executor's to handle;
 * a group never exceeds ``max_group_elements`` so 32-bit offsets inside a kernel are safe.
 
 Zero-size leaves take no space and are left out of every group.
@@ -51,11 +52,12 @@ class Group:
 
   @property
   def num_blocks(self) -> int:
-    return self.total // self.block_elems
+    """Blocks covering the buffer (a solo leaf's last block may be partial)."""
+    return -(-self.total // self.block_elems)
 
   def block_owner(self) -> np.ndarray:
     """For each block, the index (into ``placements``) of the leaf that owns it."""
-    counts = [p.padded // self.block_elems for p in self.placements]
+    counts = [-(-p.padded // self.block_elems) for p in self.placements]
     return np.repeat(np.arange(len(self.placements), dtype=np.int32), counts)
 
   @property
@@ -81,7 +83,7 @@ def padded_size(size: int, block_elems: int) -> int:
 
 
 def plan_layout(sizes: Sequence[int], keys: Sequence[Hashable], *, block_elems: int,
-                solo_min_elements: int = 1 << 20,
+                solo_min_elements: int = 1 << 20, solo_multiple: int | None = None,
                 max_group_elements: int = 1 << 30) -> LayoutPlan:
   """Plans the flat buffers for leaves of the given ``sizes`` (element counts).
 
@@ -89,13 +91,18 @@ def plan_layout(sizes: Sequence[int], keys: Sequence[Hashable], *, block_elems: 
     sizes: number of elements of each leaf.
     keys: one hashable per leaf; only leaves with equal keys share a buffer.
     block_elems: elements per kernel block; every placement is a multiple of it.
-    solo_min_elements: block-aligned leaves at least this long keep their own group.
+    solo_min_elements: leaves at least this long keep their own group, used in place.
+    solo_multiple: a solo leaf's size must be a multiple of this (default: ``block_elems``,
+      so solo leaves are whole blocks).
     max_group_elements: upper bound on a shared group's size (elements).
   """
   if len(sizes) != len(keys):
     raise ValueError(f"got {len(sizes)} sizes but {len(keys)} keys; give one key per leaf")
   if block_elems <= 0:
     raise ValueError(f"{block_elems=} must be positive")
+  solo_multiple = block_elems if solo_multiple is None else solo_multiple
+  if solo_multiple <= 0:
+    raise ValueError(f"{solo_multiple=} must be positive")
   if max_group_elements < block_elems:
     raise ValueError(f"{max_group_elements=} must be at least {block_elems=}")
   groups: list[Group] = []
@@ -114,7 +121,7 @@ def plan_layout(sizes: Sequence[int], keys: Sequence[Hashable], *, block_elems: 
     if size == 0:
       continue
     padded = padded_size(size, block_elems)
-    if padded == size and size >= solo_min_elements:
+    if size % solo_multiple == 0 and size >= solo_min_elements:
       groups.append(Group(key, (Placement(leaf, 0, size, size),), size, block_elems, solo=True))
       continue
     placements = open_groups.get(key)

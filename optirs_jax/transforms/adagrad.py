@@ -62,19 +62,28 @@ def adagrad(learning_rate: optax.ScalarOrSchedule,
     return AdagradState(count=jnp.zeros([], jnp.int32),
                         sum_of_squares=c.full_like(params, initial_accumulator_value))
 
-  def update_fn(updates, state, params=None):
-    del params
+  def step(updates, state, params, fused: bool):
     g, paths, treedef = c.flatten(fn, "updates", updates)
     s = c.match(fn, "state.sum_of_squares", state.sum_of_squares, treedef, g, paths)
+    if fused:
+      c.require_params(fn, params)
+      p = c.match(fn, "params", params, treedef, g, paths)
     neg_lr, cast_lr = c.learning_rate(learning_rate, state.count)
     h = rules.Hyper(eps=eps, neg_lr=neg_lr)
-    leaves = list(zip(g, s))
+    leaves = [(g[i], s[i]) + ((p[i],) if fused else ()) for i in range(len(g))]
     c.pallas_dtype_check(backend, leaves, paths)
     rule = functools.partial(rules.adagrad_rule, cast_lr=cast_lr)
-    outs, _ = execute(rule, h, rules.ADAGRAD_HYPER, leaves, backend=backend, pads=(0.0, 1.0),
-                      aliases={0: 0, 1: 1}, name="adagrad")
+    if fused:
+      rule = rules.applying(rule)
+    outs, _ = execute(rule, h, rules.ADAGRAD_HYPER, leaves, backend=backend,
+                      pads=(0.0, 1.0, 0.0), aliases={0: 2 if fused else 0, 1: 1},
+                      name="adagrad")
     return (jax.tree.unflatten(treedef, [o[0] for o in outs]),
             AdagradState(count=c.safe_increment(state.count),
                          sum_of_squares=jax.tree.unflatten(treedef, [o[1] for o in outs])))
 
+  def update_fn(updates, state, params=None):
+    return step(updates, state, params, fused=False)
+
+  update_fn.fused_apply = lambda grads, state, params: step(grads, state, params, fused=True)
   return optax.GradientTransformation(init_fn, update_fn)

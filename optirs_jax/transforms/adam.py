@@ -37,47 +37,58 @@ def _adam_family(fn: str, learning_rate, b1, b2, eps, eps_root, mu_dtype, weight
     return AdamState(count=jnp.zeros([], jnp.int32), mu=c.zeros_like(params, mu_dtype),
                      nu=c.zeros_like(params))
 
-  def update_fn(updates, state, params=None):
+  def step(updates, state, params, fused: bool):
     g, paths, treedef = c.flatten(fn, "updates", updates)
     mu = c.match(fn, "state.mu", state.mu, treedef, g, paths)
     nu = c.match(fn, "state.nu", state.nu, treedef, g, paths)
     wd, has_decay = c.weight_decay_value(weight_decay, state.count)
-    needs_params = has_decay or trust_ratio
     p = None
-    if needs_params:
+    if has_decay or trust_ratio or fused:
       c.require_params(fn, params)
       p = c.match(fn, "params", params, treedef, g, paths)
     count_inc = c.safe_increment(state.count)
+    step_f, next_f = c.as_float(count_inc), c.as_float(c.safe_increment(count_inc))
     neg_lr, cast_lr = c.learning_rate(learning_rate, state.count)
-    step, next_step = c.as_float(count_inc), c.as_float(c.safe_increment(count_inc))
     h = rules.Hyper(
         b1=b1, c1=1 - b1, b2=b2, c2=1 - b2, eps=eps, eps_root=eps_root,
-        bc1=1 - b1**step, bc1_next=1 - b1**next_step, bc2=1 - b2**step, wd=wd, neg_lr=neg_lr)
+        bc1=1 - b1**step_f, bc1_next=1 - b1**next_f, bc2=1 - b2**step_f, wd=wd, neg_lr=neg_lr)
     decays = c.mask_flags(fn, mask, updates, treedef) if has_decay else [False] * len(g)
-    with_p = [decays[i] or trust_ratio for i in range(len(g))]
+    # The kernel reads p only where the rule or a fused apply needs it (LAMB applies later).
+    with_p = [decays[i] or trust_ratio or fused for i in range(len(g))]
     leaves = [(g[i], mu[i], nu[i]) + ((p[i],) if with_p[i] else ()) for i in range(len(g))]
     c.pallas_dtype_check(backend, leaves, paths)
 
     outs: list[Any] = [None] * len(g)
     norms: list[Any] = [None] * len(g)
+    apply_in_kernel = fused and not trust_ratio
     for decay, idx in c.split_by(decays):
       rule = functools.partial(rules.adam_rule, nesterov=nesterov, decay=decay,
                                scale_lr=not trust_ratio, cast_lr=cast_lr, mu_dtype=mu_dtype)
+      if apply_in_kernel:
+        rule = rules.applying(rule, p_index=3 if decay else None)
       o, n = execute(rule, h, rules.ADAM_HYPER, [leaves[i] for i in idx], backend=backend,
-                     pads=(0.0, 0.0, 1.0, 0.0), aliases={0: 0, 1: 1, 2: 2},
+                     pads=(0.0, 0.0, 1.0, 0.0),
+                     aliases={0: 3 if apply_in_kernel else 0, 1: 1, 2: 2},
                      norm_of=((3,), (0,)) if trust_ratio else None, name=fn.split(".")[-1])
       for j, i in enumerate(idx):
         outs[i] = o[j]
         norms[i] = n[j] if n is not None else None
 
-    u = [o[0] for o in outs]
-    if trust_ratio:
-      u = [rules.lamb_trust_scale(u[i], p[i], *norms[i], h, cast_lr) for i in range(len(g))]
+    first = [o[0] for o in outs]
+    if trust_ratio:  # second pass: the per-leaf ratio (fused by XLA with the unpacking)
+      first = [rules.lamb_trust_scale(first[i], p[i], *norms[i], h, cast_lr)
+               for i in range(len(g))]
+      if fused:
+        first = [(p[i] + first[i]).astype(p[i].dtype) for i in range(len(g))]
     new_state = AdamState(count=count_inc,
                           mu=jax.tree.unflatten(treedef, [o[1] for o in outs]),
                           nu=jax.tree.unflatten(treedef, [o[2] for o in outs]))
-    return jax.tree.unflatten(treedef, u), new_state
+    return jax.tree.unflatten(treedef, first), new_state
 
+  def update_fn(updates, state, params=None):
+    return step(updates, state, params, fused=False)
+
+  update_fn.fused_apply = lambda grads, state, params: step(grads, state, params, fused=True)
   return optax.GradientTransformation(init_fn, update_fn)
 
 

@@ -86,14 +86,16 @@ def rmsprop(learning_rate: optax.ScalarOrSchedule, decay: jax.typing.ArrayLike =
                         mu=c.zeros_like(params) if centered else None,
                         trace=c.zeros_like(params) if has_trace else None)
 
-  def update_fn(updates, state, params=None):
-    del params
+  def step(updates, state, params, fused: bool):
     g, paths, treedef = c.flatten(fn, "updates", updates)
     slots = [c.match(fn, "state.nu", state.nu, treedef, g, paths)]
     if centered:
       slots.append(c.match(fn, "state.mu", state.mu, treedef, g, paths))
     if has_trace:
       slots.append(c.match(fn, "state.trace", state.trace, treedef, g, paths))
+    if fused:
+      c.require_params(fn, params)
+      slots.append(c.match(fn, "params", params, treedef, g, paths))
     count_inc = c.safe_increment(state.count)
     neg_lr, cast_lr = c.learning_rate(learning_rate, state.count)
     h = rules.Hyper(decay=decay, c_decay=1 - decay, eps=eps,
@@ -104,14 +106,22 @@ def rmsprop(learning_rate: optax.ScalarOrSchedule, decay: jax.typing.ArrayLike =
     rule = functools.partial(rules.rmsprop_rule, centered=centered, eps_in_sqrt=eps_in_sqrt,
                              bias_correction=bias_correction, momentum=has_trace,
                              nesterov=nesterov, cast_lr=cast_lr)
-    pads = (0.0, 1.0) + (0.0,) * (len(slots) - 1)
+    if fused:
+      rule = rules.applying(rule)
+    n_state = len(slots) - int(fused)
+    pads = (0.0, 1.0) + (0.0,) * len(slots)
+    aliases = {k: k for k in range(1, n_state + 1)}
+    aliases[0] = len(slots) if fused else 0
     outs, _ = execute(rule, h, rules.RMSPROP_HYPER, leaves, backend=backend, pads=pads,
-                      aliases={k: k for k in range(len(slots) + 1)}, name="rmsprop")
+                      aliases=aliases, name="rmsprop")
     column = lambda k: jax.tree.unflatten(treedef, [o[k] for o in outs])
     k_mu, k_trace = 2, 2 + int(centered)
     return column(0), RmspropState(
-        count=count_inc if bias_correction else c.safe_increment(state.count),
-        nu=column(1), mu=column(k_mu) if centered else None,
+        count=count_inc, nu=column(1), mu=column(k_mu) if centered else None,
         trace=column(k_trace) if has_trace else None)
 
+  def update_fn(updates, state, params=None):
+    return step(updates, state, params, fused=False)
+
+  update_fn.fused_apply = lambda grads, state, params: step(grads, state, params, fused=True)
   return optax.GradientTransformation(init_fn, update_fn)

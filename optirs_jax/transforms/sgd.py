@@ -64,20 +64,29 @@ def sgd(learning_rate: optax.ScalarOrSchedule, momentum: jax.typing.ArrayLike | 
     trace = c.zeros_like(params, accumulator_dtype) if has_trace else None
     return SgdState(count=jnp.zeros([], jnp.int32), trace=trace)
 
-  def update_fn(updates, state, params=None):
-    del params
+  def step(updates, state, params, fused: bool):
     g, paths, treedef = c.flatten(fn, "updates", updates)
     trace = c.match(fn, "state.trace", state.trace, treedef, g, paths) if has_trace else None
+    if fused:
+      c.require_params(fn, params)
+      p = c.match(fn, "params", params, treedef, g, paths)
     neg_lr, cast_lr = c.learning_rate(learning_rate, state.count)
     h = rules.Hyper(momentum=momentum if has_trace else 0.0, neg_lr=neg_lr)
-    leaves = [(g[i],) + ((trace[i],) if has_trace else ()) for i in range(len(g))]
+    leaves = [(g[i],) + ((trace[i],) if has_trace else ()) + ((p[i],) if fused else ())
+              for i in range(len(g))]
     c.pallas_dtype_check(backend, leaves, paths)
     rule = functools.partial(rules.sgd_rule, nesterov=nesterov, cast_lr=cast_lr,
                              accumulator_dtype=accumulator_dtype)
-    outs, _ = execute(rule, h, rules.SGD_HYPER, leaves, backend=backend, pads=(0.0, 0.0),
-                      aliases={0: 0, 1: 1}, name="sgd")
+    if fused:
+      rule = rules.applying(rule)
+    outs, _ = execute(rule, h, rules.SGD_HYPER, leaves, backend=backend, pads=(0.0, 0.0, 0.0),
+                      aliases={0: len(leaves[0]) - 1 if fused else 0, 1: 1}, name="sgd")
     new_trace = jax.tree.unflatten(treedef, [o[1] for o in outs]) if has_trace else None
     return (jax.tree.unflatten(treedef, [o[0] for o in outs]),
             SgdState(count=c.safe_increment(state.count), trace=new_trace))
 
+  def update_fn(updates, state, params=None):
+    return step(updates, state, params, fused=False)
+
+  update_fn.fused_apply = lambda grads, state, params: step(grads, state, params, fused=True)
   return optax.GradientTransformation(init_fn, update_fn)

@@ -1,0 +1,38 @@
+"""The fused apply path: new params and state from one pass over the data."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import optax
+
+
+def apply(tx: optax.GradientTransformation, grads: Any, opt_state: Any,
+          params: Any) -> tuple[Any, Any]:
+  r"""One optimizer step: returns ``(new_params, new_opt_state)``.
+
+  For an optirs_jax optimizer the kernel writes the new params and the new state in the
+  same pass, in place when the caller donates them (``jax.jit(..., donate_argnums=...)``),
+  so the updates are never materialized; the numbers are those of
+
+  .. math:: p' = p + u, \qquad (u, s') = \mathrm{tx.update}(g, s, p)
+
+  i.e. of ``tx.update`` followed by :func:`optax.apply_updates`. For any other
+  transformation (an ``optax.chain``, ``optax.inject_hyperparams``, ...) it runs exactly
+  that pair, so it is always safe to call.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optirs_jax
+    >>> tx = optirs_jax.adamw(1e-2)
+    >>> params = {"w": jnp.ones(4)}
+    >>> state = tx.init(params)
+    >>> step = jax.jit(lambda g, s, p: optirs_jax.apply(tx, g, s, p), donate_argnums=(1, 2))
+    >>> params, state = step({"w": jnp.full(4, 0.5)}, state, params)
+    >>> params["w"]
+    Array([0.98999906, 0.98999906, 0.98999906, 0.98999906], dtype=float32)
+  """
+  fused = getattr(tx.update, "fused_apply", None)
+  if fused is not None:
+    return fused(grads, opt_state, params)
+  updates, opt_state = tx.update(grads, opt_state, params)
+  return optax.apply_updates(params, updates), opt_state
