@@ -43,7 +43,7 @@ def adagrad(learning_rate: optax.ScalarOrSchedule,
     >>> params = jnp.array([1.0, 1.0])
     >>> updates, _ = opt.update(jnp.array([2.0, 0.0]), opt.init(params))
     >>> updates
-    Array([-1.,  0.], dtype=float32)
+    Array([-1., -0.], dtype=float32)
 
   References:
     Duchi et al., `Adaptive Subgradient Methods for Online Learning and Stochastic

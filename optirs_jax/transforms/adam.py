@@ -130,7 +130,7 @@ def adam(learning_rate: optax.ScalarOrSchedule, b1: jax.typing.ArrayLike = 0.9,
     >>> grads = {"w": jnp.array([0.5, -1.0, 0.0])}
     >>> updates, state = opt.update(grads, state, params)
     >>> optax.apply_updates(params, updates)["w"]
-    Array([0.9, 2.1, 3. ], dtype=float32)
+    Array([0.9000007, 2.0999994, 3.       ], dtype=float32)
 
   References:
     Kingma and Ba, `Adam: A Method for Stochastic Optimization
@@ -205,7 +205,7 @@ def lamb(learning_rate: optax.ScalarOrSchedule, b1: jax.typing.ArrayLike = 0.9,
     >>> opt = optirs_jax.lamb(1e-2)
     >>> updates, _ = opt.update({"w": jnp.array([1.0, 0.0])}, opt.init(params), params)
     >>> updates["w"]
-    Array([-0.05,  0.  ], dtype=float32)
+    Array([-0.05, -0.  ], dtype=float32)
 
   References:
     You et al., `Large Batch Optimization for Deep Learning: Training BERT in 76 minutes
