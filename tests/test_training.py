@@ -65,7 +65,7 @@ def test_flax_mlp_with_clipped_lamb(backend, standard_promotion):
 
 @pytest.mark.parametrize("backend", ["jnp", "pallas"])
 def test_haiku_mlp_with_clipped_lamb(backend, standard_promotion):
-  import haiku as hk
+  hk = pytest.importorskip("haiku")
 
   net = hk.without_apply_rng(hk.transform(lambda x: hk.nets.MLP([32, 17, 1])(x)))
   params = net.init(jax.random.PRNGKey(2), jnp.ones((1, 8)))
