@@ -218,8 +218,9 @@ class Progress:
     width = 30
     filled = int(width * self.done / self.total)
     elapsed = time.perf_counter() - self.t0
+    end = "\n" if not self.stream.isatty() else ""
     self.stream.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} "
-                      f"{elapsed:6.1f}s {label:<48}")
+                      f"{elapsed:6.1f}s {label:<48}{end}")
     self.stream.flush()
     if self.done == self.total:
       self.stream.write("\n")
@@ -245,6 +246,7 @@ def run(args) -> dict:
   copy_bw = copy_bandwidth(copy_n, args)
   progress.step("copy bandwidth")
   rows = []
+  header = meta(args, scale, copy_bw, copy_n)
   for tree, name, impl in jobs:
     shapes = tree_shapes(tree, scale)
     n = sum(int(np.prod(s)) for s in shapes.values())
@@ -263,12 +265,19 @@ def run(args) -> dict:
       r["pct_copy"] = 100 * r["gbps"] * 1e9 / copy_bw
     rows.append(r)
     progress.step(f"{tree} {name} {impl}")
+    if args.json:  # keep what is measured so far, in case the run is cut short
+      _write(args.json, {"meta": header, "results": rows})
   for r in rows:
     base = next((b for b in rows if b["tree"] == r["tree"] and b["optimizer"] == r["optimizer"]
                  and b["impl"] == "optax" and b.get("ms")), None)
     if base and r.get("ms"):
       r["speedup_vs_optax"] = base["ms"] / r["ms"]
-  return {"meta": meta(args, scale, copy_bw, copy_n), "results": rows}
+  return {"meta": header, "results": rows}
+
+
+def _write(path: str, report: dict) -> None:
+  with open(path, "w") as f:
+    json.dump(report, f, indent=1)
 
 
 def meta(args, scale, copy_bw, copy_n) -> dict:
@@ -332,8 +341,7 @@ def main(argv=None) -> int:
   report = run(args)
   print(table(report))
   if args.json:
-    with open(args.json, "w") as f:
-      json.dump(report, f, indent=1)
+    _write(args.json, report)
     print(f"wrote {args.json}")
   return 0
 
