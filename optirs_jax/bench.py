@@ -232,6 +232,8 @@ def run(args) -> dict:
   impls = list(JAX_IMPLS)
   if torch_device() and not args.no_torch:
     impls += ["torch-fused", "torch-foreach"]
+  if args.impls:
+    impls = [i for i in impls if i in args.impls]
   jobs = []
   for tree in args.trees:
     for name in args.optimizers:
@@ -328,6 +330,8 @@ def main(argv=None) -> int:
   parser.add_argument("--batches", type=int, default=5)
   parser.add_argument("--warmup", type=int, default=3)
   parser.add_argument("--no-torch", action="store_true")
+  parser.add_argument("--impls", type=split, default=None,
+                      help=f"only these of {list(JAX_IMPLS) + ['torch-fused', 'torch-foreach']}")
   parser.add_argument("--json", default=None, help="write the report here")
   args = parser.parse_args(argv)
   if args.optimizers is None:

@@ -60,7 +60,9 @@ def test_flax_mlp_with_clipped_lamb(backend, standard_promotion):
   want, ref_losses = _train(model.apply, params, _optimizers(optax, backend))
   assert losses[-1] < 0.5 * losses[0]  # it trains
   chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-6)
-  chex.assert_trees_all_close(jnp.array(losses), jnp.array(ref_losses), rtol=1e-5)
+  # Losses are one reduction further from the params (on GPU the kernel's division and
+  # square root round differently from XLA's): held to 1e-4.
+  chex.assert_trees_all_close(jnp.array(losses), jnp.array(ref_losses), rtol=1e-4)
 
 
 @pytest.mark.parametrize("backend", ["jnp", "pallas"])
@@ -73,4 +75,6 @@ def test_haiku_mlp_with_clipped_lamb(backend, standard_promotion):
   want, ref_losses = _train(net.apply, params, _optimizers(optax, backend))
   assert losses[-1] < 0.5 * losses[0]
   chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-6)
-  chex.assert_trees_all_close(jnp.array(losses), jnp.array(ref_losses), rtol=1e-5)
+  # Losses are one reduction further from the params (on GPU the kernel's division and
+  # square root round differently from XLA's): held to 1e-4.
+  chex.assert_trees_all_close(jnp.array(losses), jnp.array(ref_losses), rtol=1e-4)

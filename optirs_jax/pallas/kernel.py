@@ -38,6 +38,7 @@ class Tiling:
   lanes: int = LANES
   num_warps: int = 4
   num_stages: int = 1
+  flat: bool = False  # 1-D blocks of block_elems over the flattened buffer (GPU)
 
   @property
   def block_elems(self) -> int:
@@ -46,9 +47,9 @@ class Tiling:
 
 # Interpret mode reuses the GPU geometry, so CPU tests exercise the GPU layout.
 TILINGS: Mapping[str, Tiling] = {
-    "cuda": Tiling(block_rows=32, num_warps=4),
+    "cuda": Tiling(block_rows=32, num_warps=8, flat=True),
     "tpu": Tiling(block_rows=512),
-    "interpret": Tiling(block_rows=32),
+    "interpret": Tiling(block_rows=32, flat=True),
 }
 
 
@@ -62,9 +63,16 @@ def block_math(h: Hyper, blocks: Sequence[jax.Array], rule: Callable, out_dtypes
   ins = [x.astype(jnp.float32) for x in blocks]
   outs = [x.astype(dt) for x, dt in zip(rule(h, *ins), out_dtypes)]
   sources = [ins[i] for i in norm_inputs] + [outs[i] for i in norm_outputs]
-  sums = [jnp.sum(x.astype(jnp.float32) * x.astype(jnp.float32), axis=0, keepdims=True)
-          for x in sources]
-  return outs, sums
+  return outs, [_partial_sum_of_squares(x.astype(jnp.float32)) for x in sources]
+
+
+def _partial_sum_of_squares(x: jax.Array) -> jax.Array:
+  """A ``(1, LANES)`` row whose lanes add up to ``sum(x**2)``: lane-wise sums of a 2-D
+  block, or a 1-D block's total in lane 0."""
+  if x.ndim == 2:
+    return jnp.sum(x * x, axis=0, keepdims=True)
+  lane = jax.lax.broadcasted_iota(jnp.int32, (1, LANES), 1)
+  return jnp.where(lane == 0, jnp.sum(x * x), 0.0)
 
 
 def _body(h_ref, *refs, rule, names, n_in, n_out, norm_inputs, norm_outputs):
@@ -119,17 +127,41 @@ def elementwise_call(rule: Callable, names: Sequence[str], hvec: jax.Array,
   for x in inputs:
     if x.shape != inputs[0].shape:
       raise ValueError(f"all inputs must share one shape; got {x.shape} and {inputs[0].shape}")
-  num_blocks, tail_rows = divmod(rows, tiling.block_rows)
+  if tiling.flat:
+    results = elementwise_call_1d(rule, names, hvec, [x.reshape(-1) for x in inputs],
+                                  out_dtypes, platform=platform, aliases=aliases,
+                                  norm_inputs=norm_inputs, norm_outputs=norm_outputs, name=name)
+    n_out = len(out_dtypes)
+    return tuple(y.reshape(rows, lanes) for y in results[:n_out]) + tuple(results[n_out:])
+  return _call(rule, names, hvec, inputs, out_dtypes, tiling, (tiling.block_rows, lanes),
+               platform=platform, aliases=aliases, norm_inputs=norm_inputs,
+               norm_outputs=norm_outputs, name=name)
+
+
+def elementwise_call_1d(rule, names, hvec, inputs, out_dtypes, *, platform, aliases={},
+                        norm_inputs=(), norm_outputs=(), name="optirs_kernel"):
+  """:func:`elementwise_call` over 1-D inputs in blocks of the platform's ``block_elems``."""
+  tiling = TILINGS[platform]
+  return _call(rule, names, hvec, inputs, out_dtypes, tiling, (tiling.block_elems,),
+               platform=platform, aliases=aliases, norm_inputs=norm_inputs,
+               norm_outputs=norm_outputs, name=name)
+
+
+def _call(rule, names, hvec, inputs, out_dtypes, tiling, block_shape, *, platform, aliases,
+          norm_inputs, norm_outputs, name):
+  rows = inputs[0].shape[0]
+  lanes = tiling.lanes
+  num_blocks, tail_rows = divmod(rows, block_shape[0])
   if num_blocks == 0:
     return _tail(rule, names, hvec, inputs, out_dtypes, norm_inputs, norm_outputs)
-  block = pl.BlockSpec((tiling.block_rows, lanes), lambda i: (i, 0))
+  block = pl.BlockSpec(block_shape, lambda i: (i,) + (0,) * (len(block_shape) - 1))
   norm_block = pl.BlockSpec((None, 1, lanes), lambda i: (i, 0, 0))
   if platform == "tpu":
     hspec = pl.BlockSpec(memory_space=pltpu.SMEM)
   else:
     hspec = pl.BlockSpec((NHP,), lambda i: (0,))
   n_norms = len(norm_inputs) + len(norm_outputs)
-  out_shape = [jax.ShapeDtypeStruct((rows, lanes), dt) for dt in out_dtypes]
+  out_shape = [jax.ShapeDtypeStruct(inputs[0].shape, dt) for dt in out_dtypes]
   out_shape += [jax.ShapeDtypeStruct((num_blocks, 1, lanes), jnp.float32)] * n_norms
   body = functools.partial(_body, rule=rule, names=tuple(names), n_in=len(inputs),
                            n_out=len(out_dtypes), norm_inputs=tuple(norm_inputs),
@@ -149,7 +181,7 @@ def elementwise_call(rule: Callable, names: Sequence[str], hvec: jax.Array,
   )(hvec, *inputs)
   if not tail_rows:
     return results
-  start = num_blocks * tiling.block_rows
+  start = num_blocks * block_shape[0]
   tail = _tail(rule, names, hvec, [x[start:] for x in inputs], out_dtypes, norm_inputs,
                norm_outputs)
   n_out = len(out_dtypes)
