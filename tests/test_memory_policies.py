@@ -41,8 +41,8 @@ def test_compaction_rejects_unaligned_blocks():
 
 
 def test_compaction_example():
-  assert compaction_plan({0: 10, 64: 20, 200: 8}, alignment=16) == [Move(64, 16, 20),
-                                                                     Move(200, 48, 8)]
+  assert compaction_plan({0: 10, 64: 20, 208: 8}, alignment=16) == [Move(64, 16, 20),
+                                                                     Move(208, 48, 8)]
 
 
 def test_lru_lfu_size_aware_choose_different_victims():
