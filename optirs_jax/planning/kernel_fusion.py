@@ -153,7 +153,7 @@ def plan_fusion(graph: Graph) -> FusionPlan:
   def edges() -> dict[int, set[int]]:
     e: dict[int, set[int]] = {}
     for op in graph.ops.values():
-      if op.kind == "input":
+      if op.name not in group:  # inputs, and ops not planned yet
         continue
       for i in op.inputs:
         if i in group and group[i] != group[op.name]:
@@ -186,9 +186,24 @@ def plan_fusion(graph: Graph) -> FusionPlan:
       closed.add(gid)
 
   order = {n: k for k, n in enumerate(graph.ops)}
-  kernels = sorted((tuple(sorted(m, key=order.get)) for m in members.values()),
-                   key=lambda k: order[k[-1]])
+  kernels = _topological([tuple(sorted(m, key=order.get)) for m in members.values()], graph,
+                         order)
   return FusionPlan(tuple(kernels), _unfused_bytes(graph), _fused_bytes(graph, kernels))
+
+
+def _topological(kernels, graph: Graph, order) -> list[tuple[str, ...]]:
+  """Kernels in an order where every kernel runs after those it reads from (ties: the
+  kernel whose first op comes first)."""
+  where = {n: i for i, k in enumerate(kernels) for n in k}
+  deps = [{where[i] for n in k for i in graph.ops[n].inputs if i in where} - {j}
+          for j, k in enumerate(kernels)]
+  done, out = set(), []
+  while len(out) < len(kernels):
+    ready = [j for j in range(len(kernels)) if j not in done and deps[j] <= done]
+    j = min(ready, key=lambda j: order[kernels[j][0]])
+    done.add(j)
+    out.append(kernels[j])
+  return out
 
 
 def _unfused_bytes(graph: Graph) -> int:
