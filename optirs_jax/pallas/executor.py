@@ -13,6 +13,7 @@ float64, float16 on TPU) run through the reference inside the kernel branch.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Mapping, Sequence
 
 import jax
@@ -52,21 +53,54 @@ def _reference(rule, h, leaves, norm_of):
 
 
 def _pack(xs: Sequence[jax.Array], group, pad_value, lanes: int) -> jax.Array:
+  """The group's leaves back to back, each padded to whole blocks, as ``(rows, lanes)``."""
   if group.solo:
     return xs[0].reshape(-1, lanes)
-  parts = []
-  for x, pl_ in zip(xs, group.placements):
-    flat = x.reshape(-1)
-    if pl_.padded != pl_.size:
-      flat = jnp.pad(flat, (0, pl_.padded - pl_.size), constant_values=pad_value)
-    parts.append(flat)
+  parts, pads = [], {}
+  for x, place in zip(xs, group.placements):
+    parts.append(x.reshape(-1))
+    n = place.padded - place.size
+    if n:  # one constant per distinct pad length: fewer ops to trace and compile
+      if n not in pads:
+        pads[n] = jnp.full((n,), pad_value, x.dtype)
+      parts.append(pads[n])
   return jnp.concatenate(parts).reshape(-1, lanes)
+
+
+def _unpack(y: jax.Array, group, shapes) -> list[jax.Array]:
+  """Inverse of :func:`_pack` for one output buffer: one split, then reshapes."""
+  if group.solo:
+    return [y.reshape(shapes[0])]
+  sizes = []
+  for place in group.placements:
+    sizes += [place.size] + ([place.padded - place.size] if place.padded > place.size else [])
+  pieces = jnp.split(y.reshape(-1), list(itertools.accumulate(sizes))[:-1])
+  out, k = [], 0
+  for place, shape in zip(group.placements, shapes):
+    out.append(pieces[k].reshape(shape))
+    k += 2 if place.padded > place.size else 1
+  return out
+
+
+def _output_dtypes(rule, h, leaves) -> list[tuple]:
+  """The rule's output dtypes per leaf, as the reference computes them (one abstract
+  evaluation per distinct tuple of input dtypes: the rule is elementwise)."""
+  cache: dict[tuple, tuple] = {}
+  out = []
+  for leaf in leaves:
+    key = tuple(jnp.dtype(x.dtype) for x in leaf)
+    if key not in cache:
+      scalars = [jax.ShapeDtypeStruct((), dt) for dt in key]
+      cache[key] = tuple(a.dtype for a in jax.eval_shape(lambda *a: tuple(rule(h, *a)),
+                                                         *scalars))
+    out.append(cache[key])
+  return out
 
 
 def _kernel(rule, h, names, leaves, pads, norm_of, aliases, platform, name):
   tiling = TILINGS[platform]
   supported = KERNEL_DTYPES[platform]
-  out_avals = [jax.eval_shape(lambda *a: tuple(rule(h, *a)), *leaf) for leaf in leaves]
+  out_avals = _output_dtypes(rule, h, leaves)
   use_kernel = [all(x.dtype in supported for x in leaf) and leaf[0].size > 0 for leaf in leaves]
   ref_idx = [i for i, k in enumerate(use_kernel) if not k]
   outs: list = [None] * len(leaves)
@@ -79,8 +113,7 @@ def _kernel(rule, h, names, leaves, pads, norm_of, aliases, platform, name):
   k_idx = [i for i, k in enumerate(use_kernel) if k]
   if not k_idx:
     return outs, (norms if norm_of is not None else None)
-  keys = [(tuple(x.dtype for x in leaves[i]), tuple(a.dtype for a in out_avals[i]))
-          for i in k_idx]
+  keys = [(tuple(x.dtype for x in leaves[i]), out_avals[i]) for i in k_idx]
   plan = plan_layout([leaves[i][0].size for i in k_idx], keys, block_elems=tiling.block_elems,
                      solo_min_elements=SOLO_MIN_BLOCKS * tiling.block_elems,
                      solo_multiple=tiling.lanes)
@@ -97,9 +130,10 @@ def _kernel(rule, h, names, leaves, pads, norm_of, aliases, platform, name):
                                aliases=alias, norm_inputs=norm_in, norm_outputs=norm_out,
                                name=name)
     data, partials = results[:len(out_dtypes)], results[len(out_dtypes):]
-    for p, i in zip(group.placements, members):
-      shape = leaves[i][0].shape
-      outs[i] = tuple(y.reshape(-1)[p.offset:p.offset + p.size].reshape(shape) for y in data)
+    shapes = [leaves[i][0].shape for i in members]
+    columns = [_unpack(y, group, shapes) for y in data]
+    for j, i in enumerate(members):
+      outs[i] = tuple(col[j] for col in columns)
     if partials:
       owner = jnp.asarray(group.block_owner())
       sums = [jax.ops.segment_sum(jnp.sum(part[:, 0, :], axis=1), owner,
@@ -137,7 +171,9 @@ def execute(rule: Callable, h: Mapping, names: Sequence[str], leaves: Sequence[L
     pads: the value each argument is padded with in a flat buffer; chosen so that padding
       yields a zero, finite update.
     norm_of: ``(input positions, output positions)`` whose per-leaf L2 norms to return.
-    aliases: ``{output position: input position}`` that may share a buffer.
+    aliases: ``{output position: input position}`` that may share a buffer: the state and,
+      on the fused apply path, the params. (Not the updates onto the gradients: a gradient
+      buffer the caller still holds would make XLA copy it first.)
 
   Returns:
     ``(outs, norms)``: per leaf the rule's outputs, and per leaf a tuple of norms (or None).

@@ -68,7 +68,7 @@ def _adam_family(fn: str, learning_rate, b1, b2, eps, eps_root, mu_dtype, weight
         rule = rules.applying(rule, p_index=3 if decay else None)
       o, n = execute(rule, h, rules.ADAM_HYPER, [leaves[i] for i in idx], backend=backend,
                      pads=(0.0, 0.0, 1.0, 0.0),
-                     aliases={0: 3 if apply_in_kernel else 0, 1: 1, 2: 2},
+                     aliases={1: 1, 2: 2, **({0: 3} if apply_in_kernel else {})},
                      norm_of=((3,), (0,)) if trust_ratio else None, name=fn.split(".")[-1])
       for j, i in enumerate(idx):
         outs[i] = o[j]

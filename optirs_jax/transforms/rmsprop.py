@@ -111,7 +111,8 @@ def rmsprop(learning_rate: optax.ScalarOrSchedule, decay: jax.typing.ArrayLike =
     n_state = len(slots) - int(fused)
     pads = (0.0, 1.0) + (0.0,) * len(slots)
     aliases = {k: k for k in range(1, n_state + 1)}
-    aliases[0] = len(slots) if fused else 0
+    if fused:
+      aliases[0] = len(slots)
     outs, _ = execute(rule, h, rules.RMSPROP_HYPER, leaves, backend=backend, pads=pads,
                       aliases=aliases, name="rmsprop")
     column = lambda k: jax.tree.unflatten(treedef, [o[k] for o in outs])

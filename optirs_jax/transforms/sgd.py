@@ -80,7 +80,7 @@ def sgd(learning_rate: optax.ScalarOrSchedule, momentum: jax.typing.ArrayLike | 
     if fused:
       rule = rules.applying(rule)
     outs, _ = execute(rule, h, rules.SGD_HYPER, leaves, backend=backend, pads=(0.0, 0.0, 0.0),
-                      aliases={0: len(leaves[0]) - 1 if fused else 0, 1: 1}, name="sgd")
+                      aliases={1: 1, **({0: len(leaves[0]) - 1} if fused else {})}, name="sgd")
     new_trace = jax.tree.unflatten(treedef, [o[1] for o in outs]) if has_trace else None
     return (jax.tree.unflatten(treedef, [o[0] for o in outs]),
             SgdState(count=c.safe_increment(state.count), trace=new_trace))
