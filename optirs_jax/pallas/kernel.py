@@ -47,9 +47,12 @@ class Tiling:
 
 # Interpret mode reuses the GPU geometry, so CPU tests exercise the GPU layout.
 TILINGS: Mapping[str, Tiling] = {
-    "cuda": Tiling(block_rows=32, num_warps=8, flat=True),
+    # The geometry verified on an H200 (2-D blocks); 1-D blocks (flat=True) are implemented
+    # and tested in interpret mode and through the cuda export, not yet timed on a GPU:
+    # benchmarks/tiling_variants.py compares them.
+    "cuda": Tiling(block_rows=32, num_warps=4),
     "tpu": Tiling(block_rows=512),
-    "interpret": Tiling(block_rows=32, flat=True),
+    "interpret": Tiling(block_rows=32),
 }
 
 
