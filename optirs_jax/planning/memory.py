@@ -75,6 +75,23 @@ class _Base:
   def _note_peak(self):
     self._peak = max(self._peak, self.bytes_in_use)
 
+  def _record(self, offset: int, nbytes: int) -> int:
+    self._live[offset] = nbytes
+    self._note_peak()
+    return offset
+
+  def _release(self, offset: int) -> int:
+    if offset not in self._live:
+      raise ValueError(f"offset {offset} is not a live allocation")
+    return self._live.pop(offset)
+
+  @property
+  def bytes_in_use(self) -> int:
+    return sum(self._live.values())
+
+  def live(self) -> dict[int, int]:
+    return dict(self._live)
+
   def stats(self) -> MemoryStats:
     free = self.free_blocks()
     return MemoryStats(self.capacity_bytes, self.bytes_in_use, self._peak,
@@ -102,19 +119,14 @@ class ArenaAllocator(_Base):
       raise OutOfMemoryError(f"arena of {self.capacity_bytes} B cannot fit {nbytes} B at "
                              f"alignment {alignment}: {self.capacity_bytes - self._top} B left")
     self._top = start + nbytes
-    self._live[start] = nbytes
-    self._note_peak()
-    return start
+    return self._record(start, nbytes)
 
   def free(self, offset: int) -> None:
     raise NotImplementedError("an arena frees only everything at once: call reset()")
 
   @property
   def bytes_in_use(self) -> int:
-    return self._top
-
-  def live(self) -> dict[int, int]:
-    return dict(self._live)
+    return self._top  # alignment gaps included: they are not reusable before reset()
 
   def free_blocks(self) -> list[int]:
     rest = self.capacity_bytes - self._top
@@ -156,14 +168,10 @@ class BuddyAllocator(_Base):
     while s > size:  # split, keeping the lower half
       s //= 2
       self._free.setdefault(s, set()).add(offset + s)
-    self._live[offset] = size
-    self._note_peak()
-    return offset
+    return self._record(offset, size)
 
   def free(self, offset: int) -> None:
-    if offset not in self._live:
-      raise ValueError(f"offset {offset} is not a live allocation")
-    size = self._live.pop(offset)
+    size = self._release(offset)
     while size < self.capacity_bytes:
       buddy = offset ^ size
       if buddy not in self._free.get(size, ()):
@@ -171,13 +179,6 @@ class BuddyAllocator(_Base):
       self._free[size].discard(buddy)
       offset, size = min(offset, buddy), size * 2
     self._free.setdefault(size, set()).add(offset)
-
-  @property
-  def bytes_in_use(self) -> int:
-    return sum(self._live.values())
-
-  def live(self) -> dict[int, int]:
-    return dict(self._live)
 
   def free_blocks(self) -> list[int]:
     return [s for s, offs in self._free.items() for _ in offs]
@@ -223,25 +224,13 @@ class SlabAllocator(_Base):
       base = self._next_slab
       self._next_slab += self.slab_bytes
       slots.extend(range(base + self.slab_bytes - size, base - 1, -size))
-    offset = slots.pop()
-    self._live[offset] = size
-    self._note_peak()
-    return offset
+    return self._record(slots.pop(), size)
 
   def free(self, offset: int) -> None:
-    if offset not in self._live:
-      raise ValueError(f"offset {offset} is not a live allocation")
-    size = self._live.pop(offset)
+    size = self._release(offset)
     self._free_slots[size].append(offset)
     if not self._live:  # nothing live: give every slab back, the region is one block again
       self.reset()
-
-  @property
-  def bytes_in_use(self) -> int:
-    return sum(self._live.values())
-
-  def live(self) -> dict[int, int]:
-    return dict(self._live)
 
   def free_blocks(self) -> list[int]:
     slots = [s for s, offs in self._free_slots.items() for _ in offs]
