@@ -14,7 +14,8 @@ module                        what it models
 """
 
 from optirs_jax.planning.devices import DeviceCapabilities, block_size_for
-from optirs_jax.planning.kernel_fusion import FusionPlan, Graph, evaluate, plan_fusion
+from optirs_jax.planning.kernel_fusion import (FusionPlan, Graph, adam_update_graph, evaluate,
+                                              plan_fusion)
 from optirs_jax.planning.layout import Group, LayoutPlan, Placement, padded_size, plan_layout
 from optirs_jax.planning.memory import (ArenaAllocator, BuddyAllocator, HardwareUtilization,
                                         MemoryStats, OutOfMemoryError, SlabAllocator,
@@ -26,6 +27,7 @@ from optirs_jax.planning.tensor_cores import GemmLayout, gemm, plan_gemm_layout,
 
 __all__ = [
     "ArenaAllocator", "BuddyAllocator", "DeviceCapabilities", "FusionPlan", "GemmLayout",
+    "adam_update_graph",
     "Graph", "Group", "HardwareUtilization", "KernelResourceUsage", "LayoutPlan", "MemoryStats",
     "OccupancyResult", "OutOfMemoryError", "Placement", "SlabAllocator", "SmResourceLimits",
     "best_block_size", "block_size_for", "calculate_occupancy", "device_memory_stats",
