@@ -81,7 +81,6 @@ def test_bad_graphs():
 @st.composite
 def graphs(draw):
   g = Graph()
-  shapes = [(6,), (3, 6)]
   names = [g.input("in0", (3, 6)), g.input("in1", (3, 6)), g.input("in2", (6,))]
   for k in range(draw(st.integers(1, 14))):
     kind = draw(st.sampled_from(["unary", "binary", "reduce", "broadcast"]))

@@ -4,7 +4,7 @@ learning rates and the step counter."""
 from __future__ import annotations
 
 import numbers
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -165,5 +165,3 @@ def zeros_like(tree, dtype=None):
 def full_like(tree, value):
   return jax.tree.map(lambda x: jnp.full_like(x, value), tree)
 
-
-Rule = Callable[..., tuple]
