@@ -39,9 +39,16 @@ def test_inject_hyperparams(backend):
     return optax.inject_hyperparams(lib.adamw, static_args=("backend",) if kw else ())(
         learning_rate=1e-2, weight_decay=0.1, **kw)
 
-  state = _same_as_optax(make, cases.ragged_tree(0), cases.ragged_tree(1))
-  state.hyperparams["learning_rate"] = jnp.asarray(5e-3)  # a new value, same compiled step
-  assert float(state.hyperparams["learning_rate"]) == pytest.approx(5e-3)
+  params, grads = cases.ragged_tree(0), cases.ragged_tree(1)
+  state = _same_as_optax(make, params, grads)
+  # A new learning rate is a new value in the state, not a new program.
+  tx = make(optirs_jax)
+  update = jax.jit(tx.update)
+  u1, _ = update(grads, state, params)
+  state.hyperparams["learning_rate"] = jnp.asarray(5e-3, jnp.float32)
+  u2, _ = update(grads, state, params)
+  assert update._cache_size() == 1
+  chex.assert_trees_all_close(u2, jax.tree.map(lambda x: 0.5 * x, u1), rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
