@@ -160,3 +160,17 @@ def test_sharded_params_on_fake_devices():
   ru, _ = jax.jit(opt.update)({"w": jnp.linspace(-1.0, 1.0, 64)},
                               opt.init({"w": jnp.zeros(64)}), None)
   chex.assert_trees_all_close(u, ru, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_inside_masked_and_multi_transform(backend, standard_promotion):
+  """optax's MaskedNode placeholders and partitioned trees pass through unharmed."""
+  kw = lambda lib: {"backend": backend} if lib is optirs_jax else {}
+  masked = lambda lib: optax.masked(lib.adam(1e-2, **kw(lib)), {"w": True, "b": False})
+  multi = lambda lib: optax.multi_transform(
+      {"a": lib.adamw(1e-2, **kw(lib)), "s": lib.sgd(0.1, momentum=0.9, **kw(lib))},
+      {"w": "a", "b": "s"})
+  params = {"w": jnp.linspace(-1.0, 1.0, 12).reshape(3, 4), "b": jnp.arange(4.0)}
+  grads = jax.tree.map(jnp.cos, params)
+  for make in (masked, multi):
+    _same_as_optax(make, params, grads)
