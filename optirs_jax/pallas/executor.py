@@ -100,7 +100,7 @@ def _output_dtypes(rule, h, leaves) -> list[tuple]:
 def _kernel(rule, h, names, leaves, pads, norm_of, aliases, platform, name):
   tiling = TILINGS[platform]
   supported = KERNEL_DTYPES[platform]
-  out_avals = _output_dtypes(rule, h, leaves)
+  leaf_out_dtypes = _output_dtypes(rule, h, leaves)
   use_kernel = [all(x.dtype in supported for x in leaf) and leaf[0].size > 0 for leaf in leaves]
   ref_idx = [i for i, k in enumerate(use_kernel) if not k]
   outs: list = [None] * len(leaves)
@@ -113,7 +113,7 @@ def _kernel(rule, h, names, leaves, pads, norm_of, aliases, platform, name):
   k_idx = [i for i, k in enumerate(use_kernel) if k]
   if not k_idx:
     return outs, (norms if norm_of is not None else None)
-  keys = [(tuple(x.dtype for x in leaves[i]), out_avals[i]) for i in k_idx]
+  keys = [(tuple(x.dtype for x in leaves[i]), leaf_out_dtypes[i]) for i in k_idx]
   plan = plan_layout([leaves[i][0].size for i in k_idx], keys, block_elems=tiling.block_elems,
                      solo_min_elements=SOLO_MIN_BLOCKS * tiling.block_elems,
                      solo_multiple=tiling.lanes)

@@ -130,24 +130,15 @@ def elementwise_call(rule: Callable, names: Sequence[str], hvec: jax.Array,
   for x in inputs:
     if x.shape != inputs[0].shape:
       raise ValueError(f"all inputs must share one shape; got {x.shape} and {inputs[0].shape}")
-  if tiling.flat:
-    results = elementwise_call_1d(rule, names, hvec, [x.reshape(-1) for x in inputs],
-                                  out_dtypes, platform=platform, aliases=aliases,
-                                  norm_inputs=norm_inputs, norm_outputs=norm_outputs, name=name)
-    n_out = len(out_dtypes)
-    return tuple(y.reshape(rows, lanes) for y in results[:n_out]) + tuple(results[n_out:])
-  return _call(rule, names, hvec, inputs, out_dtypes, tiling, (tiling.block_rows, lanes),
-               platform=platform, aliases=aliases, norm_inputs=norm_inputs,
-               norm_outputs=norm_outputs, name=name)
-
-
-def elementwise_call_1d(rule, names, hvec, inputs, out_dtypes, *, platform, aliases={},
-                        norm_inputs=(), norm_outputs=(), name="optirs_kernel"):
-  """:func:`elementwise_call` over 1-D inputs in blocks of the platform's ``block_elems``."""
-  tiling = TILINGS[platform]
-  return _call(rule, names, hvec, inputs, out_dtypes, tiling, (tiling.block_elems,),
-               platform=platform, aliases=aliases, norm_inputs=norm_inputs,
-               norm_outputs=norm_outputs, name=name)
+  kw = dict(platform=platform, aliases=aliases, norm_inputs=norm_inputs,
+            norm_outputs=norm_outputs, name=name)
+  if not tiling.flat:
+    return _call(rule, names, hvec, inputs, out_dtypes, tiling, (tiling.block_rows, lanes), **kw)
+  # 1-D blocks of block_elems over the flattened buffers (free reshapes both ways).
+  results = _call(rule, names, hvec, [x.reshape(-1) for x in inputs], out_dtypes, tiling,
+                  (tiling.block_elems,), **kw)
+  n_out = len(out_dtypes)
+  return tuple(y.reshape(rows, lanes) for y in results[:n_out]) + tuple(results[n_out:])
 
 
 def _call(rule, names, hvec, inputs, out_dtypes, tiling, block_shape, *, platform, aliases,

@@ -10,6 +10,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from optirs_jax.backends import validate_backend
 from optirs_jax.pallas.executor import check_pallas_dtypes
@@ -141,10 +142,24 @@ def mask_flags(fn: str, mask, tree, treedef) -> list[bool]:
   return [bool(f) for f in flags]
 
 
-def require_params(fn: str, params) -> None:
+def params_leaves(fn: str, params, treedef, ref_leaves: Sequence, paths: Sequence[str]) -> list:
+  """The params' leaves, checked against the updates; a clear error when they are missing."""
   if params is None:
     raise ValueError(f"{fn}: this transformation needs the params: call "
                      "update(updates, state, params)")
+  return match(fn, "params", params, treedef, ref_leaves, paths)
+
+
+def transformation(init_fn, step) -> optax.GradientTransformation:
+  """An optax transformation from ``step(updates, state, params, fused)``; the fused apply
+  path (``fused=True``: new params instead of updates) hangs on ``update.fused_apply`` for
+  :func:`optirs_jax.apply` to find."""
+
+  def update_fn(updates, state, params=None):
+    return step(updates, state, params, fused=False)
+
+  update_fn.fused_apply = lambda grads, state, params: step(grads, state, params, fused=True)
+  return optax.GradientTransformation(init_fn, update_fn)
 
 
 def pallas_dtype_check(backend: str, leaves: Sequence[tuple], paths: Sequence[str]) -> None:

@@ -66,8 +66,7 @@ def adagrad(learning_rate: optax.ScalarOrSchedule,
     g, paths, treedef = c.flatten(fn, "updates", updates)
     s = c.match(fn, "state.sum_of_squares", state.sum_of_squares, treedef, g, paths)
     if fused:
-      c.require_params(fn, params)
-      p = c.match(fn, "params", params, treedef, g, paths)
+      p = c.params_leaves(fn, params, treedef, g, paths)
     neg_lr, cast_lr = c.learning_rate(learning_rate, state.count)
     h = rules.Hyper(eps=eps, neg_lr=neg_lr)
     leaves = [(g[i], s[i]) + ((p[i],) if fused else ()) for i in range(len(g))]
@@ -82,8 +81,4 @@ def adagrad(learning_rate: optax.ScalarOrSchedule,
             AdagradState(count=c.safe_increment(state.count),
                          sum_of_squares=jax.tree.unflatten(treedef, [o[1] for o in outs])))
 
-  def update_fn(updates, state, params=None):
-    return step(updates, state, params, fused=False)
-
-  update_fn.fused_apply = lambda grads, state, params: step(grads, state, params, fused=True)
-  return optax.GradientTransformation(init_fn, update_fn)
+  return c.transformation(init_fn, step)

@@ -44,8 +44,7 @@ def _adam_family(fn: str, learning_rate, b1, b2, eps, eps_root, mu_dtype, weight
     wd, has_decay = c.weight_decay_value(weight_decay, state.count)
     p = None
     if has_decay or trust_ratio or fused:
-      c.require_params(fn, params)
-      p = c.match(fn, "params", params, treedef, g, paths)
+      p = c.params_leaves(fn, params, treedef, g, paths)
     count_inc = c.safe_increment(state.count)
     step_f, next_f = c.as_float(count_inc), c.as_float(c.safe_increment(count_inc))
     neg_lr, cast_lr = c.learning_rate(learning_rate, state.count)
@@ -85,11 +84,7 @@ def _adam_family(fn: str, learning_rate, b1, b2, eps, eps_root, mu_dtype, weight
                           nu=jax.tree.unflatten(treedef, [o[2] for o in outs]))
     return jax.tree.unflatten(treedef, first), new_state
 
-  def update_fn(updates, state, params=None):
-    return step(updates, state, params, fused=False)
-
-  update_fn.fused_apply = lambda grads, state, params: step(grads, state, params, fused=True)
-  return optax.GradientTransformation(init_fn, update_fn)
+  return c.transformation(init_fn, step)
 
 
 def adam(learning_rate: optax.ScalarOrSchedule, b1: jax.typing.ArrayLike = 0.9,

@@ -94,8 +94,7 @@ def rmsprop(learning_rate: optax.ScalarOrSchedule, decay: jax.typing.ArrayLike =
     if has_trace:
       slots.append(c.match(fn, "state.trace", state.trace, treedef, g, paths))
     if fused:
-      c.require_params(fn, params)
-      slots.append(c.match(fn, "params", params, treedef, g, paths))
+      slots.append(c.params_leaves(fn, params, treedef, g, paths))
     count_inc = c.safe_increment(state.count)
     neg_lr, cast_lr = c.learning_rate(learning_rate, state.count)
     h = rules.Hyper(decay=decay, c_decay=1 - decay, eps=eps,
@@ -121,8 +120,4 @@ def rmsprop(learning_rate: optax.ScalarOrSchedule, decay: jax.typing.ArrayLike =
         count=count_inc, nu=column(1), mu=column(k_mu) if centered else None,
         trace=column(k_trace) if has_trace else None)
 
-  def update_fn(updates, state, params=None):
-    return step(updates, state, params, fused=False)
-
-  update_fn.fused_apply = lambda grads, state, params: step(grads, state, params, fused=True)
-  return optax.GradientTransformation(init_fn, update_fn)
+  return c.transformation(init_fn, step)

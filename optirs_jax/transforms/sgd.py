@@ -68,8 +68,7 @@ def sgd(learning_rate: optax.ScalarOrSchedule, momentum: jax.typing.ArrayLike | 
     g, paths, treedef = c.flatten(fn, "updates", updates)
     trace = c.match(fn, "state.trace", state.trace, treedef, g, paths) if has_trace else None
     if fused:
-      c.require_params(fn, params)
-      p = c.match(fn, "params", params, treedef, g, paths)
+      p = c.params_leaves(fn, params, treedef, g, paths)
     neg_lr, cast_lr = c.learning_rate(learning_rate, state.count)
     h = rules.Hyper(momentum=momentum if has_trace else 0.0, neg_lr=neg_lr)
     leaves = [(g[i],) + ((trace[i],) if has_trace else ()) + ((p[i],) if fused else ())
@@ -85,8 +84,4 @@ def sgd(learning_rate: optax.ScalarOrSchedule, momentum: jax.typing.ArrayLike | 
     return (jax.tree.unflatten(treedef, [o[0] for o in outs]),
             SgdState(count=c.safe_increment(state.count), trace=new_trace))
 
-  def update_fn(updates, state, params=None):
-    return step(updates, state, params, fused=False)
-
-  update_fn.fused_apply = lambda grads, state, params: step(grads, state, params, fused=True)
-  return optax.GradientTransformation(init_fn, update_fn)
+  return c.transformation(init_fn, step)
