@@ -1,24 +1,46 @@
 #!/usr/bin/env bash
-# One call on the GPU machine: versions, the whole test suite with the GPU visible, then the
-# benchmark. Everything lands under $OUT. Run from the repository root with the wheels that
-# the GPU image lacks in .whl/ (dm-haiku, jmp):
-#   bash benchmarks/run_h200.sh [pytest args...]
+# One call on the GPU machine. Everything lands under $OUT. Run from the repository root
+# with the wheels the GPU image lacks in .whl/ (dm-haiku, jmp):
+#   STEPS=env,gemm,occupancy,tiling,tests,bench bash benchmarks/run_h200.sh [pytest args...]
+# Steps: env (versions), gemm (benchmarks/gemm_tflops.py), occupancy
+# (benchmarks/occupancy_vs_driver.py), tiling (benchmarks/tiling_variants.py), census
+# (benchmarks/hlo_census.py $CENSUS_ARGS), tests (the
+# whole suite with the GPU visible), bench (python -m optirs_jax.bench $BENCH_ARGS).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/optirs_out}
+STEPS=${STEPS:-env,tests,bench}
 mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH=.:${PYTHONPATH:-}
-{ date -u; nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
-  python3 -c "import jax, jaxlib, optax, chex, flax, torch; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, 'optax', optax.__version__, 'chex', chex.__version__, 'flax', flax.__version__, 'torch', torch.__version__); print(jax.devices())"
-} 2>&1 | tee "$OUT/env.txt"
-if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  python3 -m pytest -q -p no:cacheprovider -rs "$@" 2>&1 | tee "$OUT/pytest.log" | tail -25
+has() { [[ ",$STEPS," == *",$1,"* ]]; }
+if has env; then
+  { date -u; nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
+    python3 -c "import jax, jaxlib, optax, chex, flax, torch; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, 'optax', optax.__version__, 'chex', chex.__version__, 'flax', flax.__version__, 'torch', torch.__version__); print(jax.devices())"
+  } 2>&1 | tee "$OUT/env.txt"
 fi
-if [ "${SKIP_BENCH:-0}" != 1 ]; then
-  python3 -m optirs_jax.bench ${BENCH_ARGS:-} --json "$OUT/bench.json" 2>"$OUT/bench.err" \
-    | tee "$OUT/bench.txt"
+if has gemm; then
+  timeout 120 python3 benchmarks/gemm_tflops.py 2>&1 | tee -a "$OUT/extras.txt"
+fi
+if has occupancy; then
+  timeout 120 python3 benchmarks/occupancy_vs_driver.py "$OUT/occupancy.json" > "$OUT/occupancy.txt" 2>&1
+  head -30 "$OUT/occupancy.txt"
+fi
+if has tiling; then
+  timeout ${TILING_TIMEOUT:-200} python3 benchmarks/tiling_variants.py 2>&1 | tee -a "$OUT/extras.txt"
+fi
+if has census; then
+  timeout 150 python3 benchmarks/hlo_census.py ${CENSUS_ARGS:-leaves optirs-apply,optax-flatten} 2>&1 \
+    | tee -a "$OUT/extras.txt"
+fi
+if has tests; then
+  timeout ${TESTS_TIMEOUT:-400} python3 -m pytest -q -p no:cacheprovider -rs "$@" 2>&1 \
+    | tee "$OUT/pytest.log" | tail -25
+fi
+if has bench; then
+  timeout ${BENCH_TIMEOUT:-400} python3 -m optirs_jax.bench ${BENCH_ARGS:-} --json "$OUT/bench.json" \
+    2>"$OUT/bench.err" | tee "$OUT/bench.txt"
 fi

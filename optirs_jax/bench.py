@@ -5,7 +5,8 @@
 
 Times one jitted step (params and state donated) of each implementation on three trees --
 GPT-2 small (148 leaves, 124M), many small leaves (2000 x 16K) and one flat leaf (268M) --
-and, in the same run, the device's copy bandwidth. Effective bandwidth is the algorithm's
+(and ``leaves-flat``: the 2000 leaves' parameters as one buffer, what an opt-in flat
+parameter layout gives the optimizer) and, in the same run, the device's copy bandwidth. Effective bandwidth is the algorithm's
 minimal bytes (Adam 28 B/param: read p, g, m, v; write p, m, v) over the measured time.
 On CPU the trees are scaled down (``--scale``) so the run takes a minute or two.
 
@@ -51,6 +52,9 @@ def gpt2_small_shapes(d: int = 768, vocab: int = 50257, ctx: int = 1024, layers:
   return shapes | {"ln_f.g": (d,), "ln_f.b": (d,)}
 
 
+TREES = ("gpt2", "leaves", "flat", "leaves-flat")
+
+
 def tree_shapes(name: str, scale: float) -> dict[str, tuple[int, ...]]:
   """Shapes of a benchmark tree; ``scale`` < 1 shrinks it (sizes, and the leaf count)."""
   if name == "gpt2":
@@ -61,7 +65,9 @@ def tree_shapes(name: str, scale: float) -> dict[str, tuple[int, ...]]:
     return {f"l{i:04d}": (size,) for i in range(n)}
   if name == "flat":
     return {"flat": (max(1 << 16, int((1 << 28) * scale)),)}
-  raise ValueError(f"unknown tree {name!r}; valid trees are ('gpt2', 'leaves', 'flat')")
+  if name == "leaves-flat":  # the leaves tree's parameters in one buffer (opt-in flat layout)
+    return {"flat": (sum(s[0] for s in tree_shapes("leaves", scale).values()),)}
+  raise ValueError(f"unknown tree {name!r}; valid trees are {TREES}")
 
 
 def make_tree(shapes, seed: int):
@@ -113,14 +119,19 @@ JAX_IMPLS = ("optirs-apply", "optirs-update", "optax", "optax-flatten")
 
 
 def jax_step(impl: str, opt: Opt):
-  """(transformation, step(grads, state, params) -> (params, state)) for one implementation."""
+  """(transformation, step(params, state, grads) -> (params, state)) for one implementation.
+
+  The donated arguments come in the order of the outputs: JAX pairs each donated buffer
+  with the first unclaimed output of its shape and dtype, so ``step(g, s, p) -> (p, s)``
+  would pair the first moment with the new params and make XLA copy every state buffer.
+  """
   if impl == "optirs-apply":
     tx = opt.optirs()
-    return tx, lambda g, s, p: optirs_jax.apply(tx, g, s, p)
+    return tx, lambda p, s, g: optirs_jax.apply(tx, g, s, p)
   tx = {"optirs-update": opt.optirs, "optax": opt.optax,
         "optax-flatten": lambda: optax.flatten(opt.optax())}[impl]()
 
-  def step(g, s, p):
+  def step(p, s, g):
     u, s = tx.update(g, s, p)
     return optax.apply_updates(p, u), s
 
@@ -155,18 +166,18 @@ def bench_jax(impl, opt, shapes, args):
   grads = make_tree(shapes, 1)
   params = make_tree(shapes, 0)
   state = tx.init(params)
-  jitted = jax.jit(step, donate_argnums=(1, 2))
+  jitted = jax.jit(step, donate_argnums=(0, 1))
   mem = None
   t0 = time.perf_counter()
-  compiled = jitted.lower(grads, state, params).compile()
+  compiled = jitted.lower(params, state, grads).compile()
   analysis = compiled.memory_analysis()
   if analysis is not None:
     mem = int(analysis.argument_size_in_bytes + analysis.output_size_in_bytes
               - analysis.alias_size_in_bytes + analysis.temp_size_in_bytes)
-  params, state = compiled(grads, state, params)
+  params, state = compiled(params, state, grads)
   _block(params)
   compile_s = time.perf_counter() - t0
-  sec, _ = time_steps(lambda ps: compiled(grads, ps[1], ps[0]), (params, state),
+  sec, _ = time_steps(lambda ps: compiled(ps[0], ps[1], grads), (params, state),
                       warmup=args.warmup, batches=args.batches, per_batch=args.steps, block=_block)
   return {"ms": sec * 1e3, "compile_s": compile_s, "step_memory_bytes": mem}
 
@@ -240,7 +251,7 @@ def run(args) -> dict:
       for impl in impls:
         if impl.startswith("torch") and OPTIMIZERS[name].torch is None:
           continue
-        if impl == "optax-flatten" and tree == "flat":
+        if impl == "optax-flatten" and tree in ("flat", "leaves-flat"):
           continue  # one leaf: flatten is optax itself
         jobs.append((tree, name, impl))
   progress = Progress(len(jobs) + 1)
@@ -304,13 +315,13 @@ def table(report: dict) -> str:
   lines = [f"# {m['date']}  {m['device']}  jax {m['versions']['jax']}"
            + (f"  torch {m['versions']['torch']}" if "torch" in m["versions"] else ""),
            f"# copy bandwidth {m['copy_gbps']:.0f} GB/s (read + write); scale {m['scale']:g}",
-           f"{'tree':<7}{'optimizer':<17}{'impl':<15}{'ms':>9}{'GB/s':>8}{'%copy':>7}"
+           f"{'tree':<12}{'optimizer':<17}{'impl':<15}{'ms':>9}{'GB/s':>8}{'%copy':>7}"
            f"{'x optax':>9}{'compile s':>10}"]
   for r in report["results"]:
     if not r.get("ms"):
-      lines.append(f"{r['tree']:<7}{r['optimizer']:<17}{r['impl']:<15}  {r.get('error')}")
+      lines.append(f"{r['tree']:<12}{r['optimizer']:<17}{r['impl']:<15}  {r.get('error')}")
       continue
-    lines.append(f"{r['tree']:<7}{r['optimizer']:<17}{r['impl']:<15}{r['ms']:9.3f}"
+    lines.append(f"{r['tree']:<12}{r['optimizer']:<17}{r['impl']:<15}{r['ms']:9.3f}"
                  f"{r['gbps']:8.0f}{r['pct_copy']:6.1f}%{r.get('speedup_vs_optax', 0):9.2f}"
                  f"{r['compile_s']:10.2f}")
   return "\n".join(lines)
