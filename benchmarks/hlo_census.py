@@ -17,7 +17,24 @@ import jax
 
 from optirs_jax import bench
 
-LINE = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\S+) ([\w\-]+)\(")
+# name = type op(...); a tuple type holds spaces, so the op is the first word before "(".
+LINE = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = .*?\s([a-z][\w\-]*)\(")
+
+
+def launch_ops(hlo: str) -> collections.Counter:
+  """The entry computation's instructions that run as work, by kind (fusions by name stem)."""
+  entry = hlo[hlo.index("\nENTRY"):]
+  entry = entry[:entry.index("\n}")]
+  kinds = collections.Counter()
+  for line in entry.splitlines()[1:]:
+    m = LINE.match(line)
+    if not m:
+      continue
+    name, op = m.group(1), m.group(2)
+    if op in ("parameter", "get-tuple-element", "tuple", "bitcast", "constant"):
+      continue
+    kinds[re.sub(r"[.\d]+$", "", name) if op == "fusion" else op] += 1
+  return kinds
 
 
 def census(tree: str, impl: str, optimizer: str = "adam") -> None:
@@ -27,19 +44,7 @@ def census(tree: str, impl: str, optimizer: str = "adam") -> None:
   t0 = time.perf_counter()
   compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, tx.init(params), grads).compile()
   seconds = time.perf_counter() - t0
-  text = compiled.as_text()
-  entry = text[text.index("\nENTRY"):]
-  entry = entry[:entry.index("\n}")]
-  kinds = collections.Counter()
-  for line in entry.splitlines()[1:]:
-    m = LINE.match(line)
-    if not m:
-      continue
-    name, op = m.group(1), m.group(3)
-    if op in ("parameter", "get-tuple-element", "tuple", "bitcast", "constant"):
-      continue
-    stem = re.sub(r"[.\d]+$", "", name) if op == "fusion" else op
-    kinds[stem] += 1
+  kinds = launch_ops(compiled.as_text())
   total = sum(kinds.values())
   print(f"{tree} {impl}: {len(shapes)} leaves, compile {seconds:.1f} s, {total} launch-level "
         f"ops: " + ", ".join(f"{k} {v}" for k, v in kinds.most_common(12)), flush=True)

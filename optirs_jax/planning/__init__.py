@@ -22,7 +22,7 @@ from optirs_jax.planning.memory import (ArenaAllocator, BuddyAllocator, Hardware
                                         device_memory_stats)
 from optirs_jax.planning.occupancy import (KernelResourceUsage, OccupancyResult,
                                            SmResourceLimits, best_block_size,
-                                           calculate_occupancy)
+                                           calculate_occupancy, carveout_from_percent)
 from optirs_jax.planning.tensor_cores import GemmLayout, gemm, plan_gemm_layout, select_precision
 
 __all__ = [
@@ -30,7 +30,8 @@ __all__ = [
     "adam_update_graph",
     "Graph", "Group", "HardwareUtilization", "KernelResourceUsage", "LayoutPlan", "MemoryStats",
     "OccupancyResult", "OutOfMemoryError", "Placement", "SlabAllocator", "SmResourceLimits",
-    "best_block_size", "block_size_for", "calculate_occupancy", "device_memory_stats",
+    "best_block_size", "block_size_for", "calculate_occupancy", "carveout_from_percent",
+    "device_memory_stats",
     "evaluate", "gemm", "padded_size", "plan_fusion", "plan_gemm_layout", "plan_layout",
     "select_precision",
 ]

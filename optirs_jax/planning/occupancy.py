@@ -21,8 +21,13 @@ blocks, as the driver does; non-positive inputs are a ValueError.
 
 Sources: CUDA C++ Programming Guide, "Compute Capabilities" (technical specifications per
 compute capability) and "Shared Memory" (carve-outs); ``cuda_occupancy.h`` (CUDA 12).
-Limits: no partitioned global caching (compute capability 3.x), no clusters, no
-``cudaFuncAttributePreferredSharedMemoryCarveout`` beyond the ``carveout_bytes`` argument.
+Checked against the driver: ``benchmarks/occupancy_vs_driver.py`` asked
+``cuOccupancyMaxActiveBlocksPerMultiprocessor`` on an H200 (sm_90, driver 580) for 16,896
+configurations of real kernels (4 to 255 registers, 0 to 200 KB of shared memory, block
+sizes 1 to 1025, carve-out preferences none/0/50/100%) and ``cuOccupancyMaxPotentialBlockSize``
+for 72; ``tests/test_occupancy_driver.py`` replays the recorded answers, all equal.
+Limits: no partitioned global caching (compute capability 3.x), no clusters; the other
+compute capabilities follow the Programming Guide's tables, not a driver.
 
 >>> limits = SmResourceLimits.sm_80()
 >>> r = calculate_occupancy(KernelResourceUsage(32, 0, 256), limits)
@@ -136,13 +141,31 @@ def _round_up(x: int, unit: int) -> int:
   return -(-x // unit) * unit
 
 
-def _smem_per_sm(limits: SmResourceLimits, carveout_bytes: int | None) -> int:
+def _smem_per_sm(limits: SmResourceLimits, carveout_bytes: int | None, block_smem: int) -> int:
+  """The shared-memory configuration the driver picks: the largest without a preference;
+  with one, the smallest supported carve-out that holds both the preference and one block
+  (so a block larger than the preference still launches, once per SM)."""
   if carveout_bytes is None:
     return limits.shared_mem_per_sm_bytes
-  for kb in limits.shared_mem_carveouts_kb:  # the smallest carve-out that holds the request
-    if kb * 1024 >= carveout_bytes:
+  need = max(carveout_bytes, block_smem)
+  for kb in limits.shared_mem_carveouts_kb:
+    if kb * 1024 >= need:
       return kb * 1024
   return limits.shared_mem_per_sm_bytes
+
+
+def carveout_from_percent(percent: int, limits: SmResourceLimits) -> int | None:
+  """Bytes asked for by ``CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT = percent``
+  (a percentage of the largest configuration; -1, the default, is no preference: None).
+
+  >>> carveout_from_percent(50, SmResourceLimits.sm_90())
+  116736
+  """
+  if percent == -1:
+    return None
+  if not 0 <= percent <= 100:
+    raise ValueError(f"carve-out {percent=} must be -1 (no preference) or within 0..100")
+  return -(-percent * limits.shared_mem_per_sm_bytes // 100)
 
 
 def calculate_occupancy(usage: KernelResourceUsage, limits: SmResourceLimits, *,
@@ -152,8 +175,9 @@ def calculate_occupancy(usage: KernelResourceUsage, limits: SmResourceLimits, *,
   Args:
     usage: the kernel's registers per thread, shared memory per block and block size.
     limits: the SM's limits (e.g. ``SmResourceLimits.sm_90()``).
-    carveout_bytes: shared memory per SM requested through the carve-out preference; the
-      driver rounds it up to a supported configuration. ``None``: the largest.
+    carveout_bytes: shared memory per SM requested through the carve-out preference (see
+      :func:`carveout_from_percent`); the driver rounds it up to a supported configuration
+      that also holds one block. ``None``: the largest.
   """
   warps_per_block = -(-usage.threads_per_block // WARP_SIZE)
   if usage.threads_per_block > limits.max_threads_per_block:  # cannot launch
@@ -183,7 +207,7 @@ def calculate_occupancy(usage: KernelResourceUsage, limits: SmResourceLimits, *,
   elif smem == 0:
     by["shared_memory"] = limits.max_blocks_per_sm
   else:
-    by["shared_memory"] = _smem_per_sm(limits, carveout_bytes) // smem
+    by["shared_memory"] = _smem_per_sm(limits, carveout_bytes, smem) // smem
 
   order = ("warps", "blocks", "registers", "shared_memory")  # ties name the first
   blocks = min(by[k] for k in order)
