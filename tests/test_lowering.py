@@ -33,7 +33,7 @@ def _optax_schedules_need_standard_promotion(standard_promotion):
 def _step_and_shapes(name, params):
   opt = getattr(optirs_jax, name)(optax.cosine_decay_schedule(1e-3, 100), **KWARGS.get(name, {}))
 
-  def step(grads, state, params):
+  def step(params, state, grads):  # donated arguments in the order of the outputs
     updates, state = opt.update(grads, state, params)
     return optax.apply_updates(params, updates), state
 
@@ -46,7 +46,7 @@ def test_cuda_export_contains_triton_kernel_in_place(name):
   step, shapes = _step_and_shapes(name, cases.ragged_tree(0))
   with abstract_target("NVIDIA H200", "cuda"):
     exp = jax.export.export(
-        jax.jit(step, donate_argnums=(1, 2)), platforms=["cuda"],
+        jax.jit(step, donate_argnums=(0, 1)), platforms=["cuda"],
         disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON)])(*shapes)
   text = exp.mlir_module()
   assert text.count(TRITON) >= 1
@@ -82,5 +82,5 @@ def test_tpu_full_compile_through_libtpu(name):
   step, shapes = _step_and_shapes(name, cases.ragged_tree(0))
   shapes = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
                         shapes)
-  compiled = jax.jit(step, donate_argnums=(1, 2)).trace(*shapes).lower().compile()
+  compiled = jax.jit(step, donate_argnums=(0, 1)).trace(*shapes).lower().compile()
   assert "tpu_custom_call" in compiled.as_text()
