@@ -4,7 +4,8 @@
 #   STEPS=env,gemm,occupancy,tiling,tests,bench bash benchmarks/run_h200.sh [pytest args...]
 # Steps: env (versions), gemm (benchmarks/gemm_tflops.py), occupancy
 # (benchmarks/occupancy_vs_driver.py), tiling (benchmarks/tiling_variants.py), census
-# (benchmarks/hlo_census.py $CENSUS_ARGS), unpack (benchmarks/unpack_variants.py), tests (the
+# (benchmarks/hlo_census.py $CENSUS_ARGS), unpack (benchmarks/unpack_variants.py), policy
+# (benchmarks/policy_variants.sh), tests (the
 # whole suite with the GPU visible), bench (python -m optirs_jax.bench $BENCH_ARGS).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -38,6 +39,9 @@ if has census; then
 fi
 if has unpack; then
   timeout 100 python3 benchmarks/unpack_variants.py 2>&1 | tee -a "$OUT/extras.txt"
+fi
+if has policy; then
+  bash benchmarks/policy_variants.sh 2>&1 | tee -a "$OUT/extras.txt"
 fi
 if has tests; then
   timeout ${TESTS_TIMEOUT:-400} python3 -m pytest -q -p no:cacheprovider -rs "$@" 2>&1 \

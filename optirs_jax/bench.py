@@ -24,6 +24,7 @@ import argparse
 import dataclasses
 import datetime
 import json
+import os
 import platform
 import statistics
 import sys
@@ -36,6 +37,7 @@ import numpy as np
 import optax
 
 import optirs_jax
+from optirs_jax.pallas import executor
 
 # ---------------------------------------------------------------------------------- trees
 
@@ -306,6 +308,8 @@ def meta(args, scale, copy_bw, copy_n) -> dict:
           "device": f"{dev.platform}: {dev.device_kind}", "versions": versions,
           "command": " ".join(["python -m optirs_jax.bench"] + sys.argv[1:]),
           "scale": scale, "copy_gbps": copy_bw / 1e9, "copy_elements": copy_n,
+          "small_leaf_policy": executor.SMALL_LEAF_POLICY,
+          "xla_flags": os.environ.get("XLA_FLAGS", ""),
           "timing": f"median of {args.batches} batches x {args.steps} steps, "
                     f"{args.warmup} warm-up"}
 
@@ -344,7 +348,13 @@ def main(argv=None) -> int:
   parser.add_argument("--impls", type=split, default=None,
                       help=f"only these of {list(JAX_IMPLS) + ['torch-fused', 'torch-foreach']}")
   parser.add_argument("--json", default=None, help="write the report here")
+  parser.add_argument("--small-leaves", choices=executor.SMALL_LEAF_POLICIES, default=None,
+                      help="what the kernel backend does with leaves too small to run in "
+                           f"place (default: {executor.SMALL_LEAF_POLICY!r}); an experiment "
+                           "knob, see benchmarks/policy_variants.sh")
   args = parser.parse_args(argv)
+  if args.small_leaves:
+    executor.SMALL_LEAF_POLICY = args.small_leaves
   if args.optimizers is None:
     args.optimizers = ["adam", "lamb", "sgd"] if jax.default_backend() == "cpu" else list(
         OPTIMIZERS)

@@ -32,6 +32,14 @@ KERNEL_DTYPES = {
 }
 # Leaves of at least this many blocks run in place, one launch each; smaller ones are packed.
 SOLO_MIN_BLOCKS = 64
+# What the kernel backend does with the leaves it would pack (smaller than SOLO_MIN_BLOCKS
+# blocks, or not a whole number of lanes): "pack" them into one buffer per dtype (one launch,
+# plus a concatenation in and one slice per leaf and output back); run each "solo" in place
+# (one launch per leaf; leaves not a whole number of lanes are still packed); or hand them
+# to the "reference" (one XLA fusion per leaf). Which is fastest depends on what a launch
+# costs; benchmarks/policy_variants.sh measures the three.
+SMALL_LEAF_POLICIES = ("pack", "solo", "reference")
+SMALL_LEAF_POLICY = "pack"
 # Pallas, for every platform it runs on: a dtype outside this set is an error on backend="pallas".
 PALLAS_DTYPES = KERNEL_DTYPES["cuda"]
 
@@ -100,8 +108,19 @@ def _output_dtypes(rule, h, leaves) -> list[tuple]:
 def _kernel(rule, h, names, leaves, pads, norm_of, aliases, platform, name):
   tiling = TILINGS[platform]
   supported = KERNEL_DTYPES[platform]
+  policy = SMALL_LEAF_POLICY
+  if policy not in SMALL_LEAF_POLICIES:
+    raise ValueError(f"SMALL_LEAF_POLICY={policy!r} is not one of {SMALL_LEAF_POLICIES}")
+  solo_min = SOLO_MIN_BLOCKS * tiling.block_elems
   leaf_out_dtypes = _output_dtypes(rule, h, leaves)
-  use_kernel = [all(x.dtype in supported for x in leaf) and leaf[0].size > 0 for leaf in leaves]
+
+  def runs_on_kernel(leaf):
+    if not all(x.dtype in supported for x in leaf) or leaf[0].size == 0:
+      return False
+    packed = leaf[0].size < solo_min or leaf[0].size % tiling.lanes
+    return not (packed and policy == "reference")
+
+  use_kernel = [runs_on_kernel(leaf) for leaf in leaves]
   ref_idx = [i for i, k in enumerate(use_kernel) if not k]
   outs: list = [None] * len(leaves)
   norms: list = [None] * len(leaves)
@@ -115,7 +134,7 @@ def _kernel(rule, h, names, leaves, pads, norm_of, aliases, platform, name):
     return outs, (norms if norm_of is not None else None)
   keys = [(tuple(x.dtype for x in leaves[i]), leaf_out_dtypes[i]) for i in k_idx]
   plan = plan_layout([leaves[i][0].size for i in k_idx], keys, block_elems=tiling.block_elems,
-                     solo_min_elements=SOLO_MIN_BLOCKS * tiling.block_elems,
+                     solo_min_elements=1 if policy == "solo" else solo_min,
                      solo_multiple=tiling.lanes)
   hvec = hyper_vector(h, names)
   norm_in, norm_out = norm_of if norm_of is not None else ((), ())

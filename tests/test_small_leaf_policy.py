@@ -1,0 +1,76 @@
+"""Every small-leaf policy of the kernel backend gives the reference's numbers.
+
+``executor.SMALL_LEAF_POLICY`` decides what happens to the leaves that are too small to
+run in place: packed into one buffer, run one launch each, or handed to the reference.
+``benchmarks/policy_variants.sh`` times the three on a GPU; here each runs in interpret
+mode, on both paths, with LAMB's per-leaf norms, and through the cuda export.
+"""
+
+import chex
+import jax
+import pytest
+
+import optirs_jax
+from optirs_jax.pallas import executor, kernel
+from tests import cases
+from tests.test_lowering import TRITON, abstract_target
+
+
+@pytest.fixture(params=executor.SMALL_LEAF_POLICIES)
+def policy(request, monkeypatch):
+  monkeypatch.setattr(executor, "SMALL_LEAF_POLICY", request.param)
+  # Smaller blocks, so that the ragged tree has leaves on both sides of the threshold.
+  monkeypatch.setattr(executor, "SOLO_MIN_BLOCKS", 2)
+  monkeypatch.setitem(kernel.TILINGS, "interpret", kernel.Tiling(8))
+  return request.param
+
+
+def tree():
+  """The ragged tree plus a leaf of whole lanes longer than one block (1152) and one shorter
+  (256): with 1024-element blocks and a threshold of 2 blocks, "block" (4096) and "rows"
+  (4224, a partial last block) run in place under every policy."""
+  params = cases.ragged_tree(0)
+  params |= {"lanes": params["rows"][:9].reshape(-1), "short_lanes": params["rows"][-2:]}
+  return params
+
+
+@pytest.mark.parametrize("name", ["adam", "lamb", "sgd"])
+def test_policy_matches_reference_on_both_paths(policy, name):
+  params = tree()
+  grads = jax.tree.map(lambda x: 0.5 * x + 0.1, params)
+  ours = getattr(optirs_jax, name)(1e-2, backend="pallas")
+  ref = getattr(optirs_jax, name)(1e-2, backend="jnp")
+  u, s = jax.jit(ours.update)(grads, ours.init(params), params)
+  ru, rs = jax.jit(ref.update)(grads, ref.init(params), params)
+  chex.assert_trees_all_close(u, ru, rtol=1e-6, atol=1e-9)
+  chex.assert_trees_all_close(s, rs, rtol=1e-6, atol=1e-9)
+  p, s = jax.jit(lambda g, s, p: optirs_jax.apply(ours, g, s, p))(grads, ours.init(params),
+                                                                    params)
+  chex.assert_trees_all_close(p, jax.tree.map(lambda a, b: a + b, params, ru), rtol=1e-6,
+                              atol=1e-8)
+  chex.assert_trees_all_close(s, rs, rtol=1e-6, atol=1e-9)
+
+
+def test_policy_changes_the_number_of_kernel_launches(policy, monkeypatch, standard_promotion):
+  monkeypatch.setitem(kernel.TILINGS, "cuda", kernel.Tiling(8))
+  opt = optirs_jax.adam(1e-3)
+  params = tree()
+  shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                        (params, opt.init(params), params))
+  with abstract_target("NVIDIA H200", "cuda"):
+    exp = jax.export.export(
+        jax.jit(lambda p, s, g: optirs_jax.apply(opt, g, s, p)), platforms=["cuda"],
+        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON)])(*shapes)
+  launches = exp.mlir_module().count(TRITON)
+  # pack: "block", "rows", and one launch for everything else packed; reference: the two in
+  # place only; solo: also "lanes" on its own (a launch for its whole block; "short_lanes"
+  # is shorter than a block, so jnp computes it), and the rest packed.
+  assert launches == {"pack": 3, "reference": 2, "solo": 4}[policy]
+
+
+def test_an_unknown_policy_is_an_error_naming_the_valid_ones(monkeypatch):
+  monkeypatch.setattr(executor, "SMALL_LEAF_POLICY", "scatter")
+  opt = optirs_jax.sgd(1e-2, backend="pallas")
+  params = cases.ragged_tree(0)
+  with pytest.raises(ValueError, match="'pack', 'solo', 'reference'"):
+    opt.update(params, opt.init(params), params)
