@@ -9,6 +9,7 @@ compiled for real (compile-only v5e devices), which catches VMEM overflows expor
 import importlib.util
 
 import jax
+import jax.numpy as jnp
 import optax
 import pytest
 
@@ -84,3 +85,39 @@ def test_tpu_full_compile_through_libtpu(name):
                         shapes)
   compiled = jax.jit(step, donate_argnums=(0, 1)).trace(*shapes).lower().compile()
   assert "tpu_custom_call" in compiled.as_text()
+
+
+def _cuda_triton_calls(step, *args):
+  shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), args)
+  with abstract_target("NVIDIA H200", "cuda"):
+    exp = jax.export.export(
+        jax.jit(step), platforms=["cuda"],
+        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON)])(*shapes)
+  return exp.mlir_module().count(TRITON)
+
+
+@pytest.mark.parametrize("name", ["adam", "adamw", "sgd", "rmsprop", "adagrad", "lamb"])
+def test_update_path_leaves_large_leaves_to_xla_unless_norms_are_needed(name):
+  # "big" is exactly the in-place threshold (64 blocks of 4096); "b" is packed. On the
+  # optax-contract path an elementwise rule runs "big" on the reference, which XLA fuses
+  # with apply_updates; the fused apply and LAMB (per-leaf norms) run it in the kernel.
+  opt = getattr(optirs_jax, name)(1e-3, **KWARGS.get(name, {}))
+  params = {"big": jnp.ones((2048, 128)), "b": jnp.ones((7,))}
+  state = opt.init(params)
+
+  def contract(p, s, g):
+    u, s = opt.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  fused = lambda p, s, g: optirs_jax.apply(opt, g, s, p)
+  assert _cuda_triton_calls(fused, params, state, params) == 2
+  assert _cuda_triton_calls(contract, params, state, params) == (2 if name == "lamb" else 1)
+
+
+def test_update_path_routing_can_be_turned_off(monkeypatch):
+  from optirs_jax.pallas import executor
+  monkeypatch.setattr(executor, "IN_PLACE_UPDATES_ON_REFERENCE", False)
+  opt = optirs_jax.adam(1e-3)
+  params = {"big": jnp.ones((2048, 128)), "b": jnp.ones((7,))}
+  assert _cuda_triton_calls(lambda p, s, g: opt.update(g, s, p), params, opt.init(params),
+                            params) == 2

@@ -40,6 +40,13 @@ SOLO_MIN_BLOCKS = 64
 # costs; benchmarks/policy_variants.sh measures the three.
 SMALL_LEAF_POLICIES = ("pack", "solo", "reference")
 SMALL_LEAF_POLICY = "pack"
+# On the optax-contract path (``update`` without the fused apply) with backend="auto", the
+# leaves large enough to run in place go to the reference when the rule needs no per-leaf
+# norm: XLA then fuses the update with whatever consumes it (optax.apply_updates), as it
+# does for optax. A kernel must write the updates out for apply_updates to read back: 44
+# B/param instead of 28, measured at 0.71-0.77x optax on one 268M leaf for Adam, SGD,
+# RMSprop and Adagrad (benchmarks/NOTES.md, run 2), where optax ran at the copy bandwidth.
+IN_PLACE_UPDATES_ON_REFERENCE = True
 # Pallas, for every platform it runs on: a dtype outside this set is an error on backend="pallas".
 PALLAS_DTYPES = KERNEL_DTYPES["cuda"]
 
@@ -105,7 +112,8 @@ def _output_dtypes(rule, h, leaves) -> list[tuple]:
   return out
 
 
-def _kernel(rule, h, names, leaves, pads, norm_of, aliases, platform, name):
+def _kernel(rule, h, names, leaves, pads, norm_of, aliases, platform, name,
+            in_place_on_reference=False):
   tiling = TILINGS[platform]
   supported = KERNEL_DTYPES[platform]
   policy = SMALL_LEAF_POLICY
@@ -118,7 +126,9 @@ def _kernel(rule, h, names, leaves, pads, norm_of, aliases, platform, name):
     if not all(x.dtype in supported for x in leaf) or leaf[0].size == 0:
       return False
     packed = leaf[0].size < solo_min or leaf[0].size % tiling.lanes
-    return not (packed and policy == "reference")
+    if packed:
+      return policy != "reference"
+    return not in_place_on_reference
 
   use_kernel = [runs_on_kernel(leaf) for leaf in leaves]
   ref_idx = [i for i, k in enumerate(use_kernel) if not k]
@@ -178,7 +188,8 @@ def check_pallas_dtypes(leaves: Sequence[Leaf], paths: Sequence[str]) -> None:
 def execute(rule: Callable, h: Mapping, names: Sequence[str], leaves: Sequence[Leaf], *,
             backend: str, pads: Sequence[float],
             norm_of: tuple[Sequence[int], Sequence[int]] | None = None,
-            aliases: Mapping[int, int] = {}, name: str = "optirs_kernel"):
+            aliases: Mapping[int, int] = {}, name: str = "optirs_kernel",
+            fused_apply: bool = False):
   """Runs ``rule`` on every leaf with the chosen backend.
 
   Args:
@@ -193,19 +204,24 @@ def execute(rule: Callable, h: Mapping, names: Sequence[str], leaves: Sequence[L
     aliases: ``{output position: input position}`` that may share a buffer: the state and,
       on the fused apply path, the params. (Not the updates onto the gradients: a gradient
       buffer the caller still holds would make XLA copy it first.)
+    name: the kernel's name in the compiled program.
+    fused_apply: whether the rule's first output is the new params (the fused apply path)
+      rather than the updates; see ``IN_PLACE_UPDATES_ON_REFERENCE``.
 
   Returns:
     ``(outs, norms)``: per leaf the rule's outputs, and per leaf a tuple of norms (or None).
   """
   leaves = [tuple(leaf) for leaf in leaves]
   reference = lambda: _reference(rule, h, leaves, norm_of)
-  kernel = lambda platform: (
-      lambda: _kernel(rule, h, names, leaves, pads, norm_of, aliases, platform, name))
+  kernel = lambda platform, on_reference=False: (
+      lambda: _kernel(rule, h, names, leaves, pads, norm_of, aliases, platform, name,
+                      on_reference))
   if backend == "jnp" or not leaves:
     return reference()
   if backend == "auto":
-    return jax.lax.platform_dependent(cpu=reference, cuda=kernel("cuda"), tpu=kernel("tpu"),
-                                      default=reference)
+    on_ref = IN_PLACE_UPDATES_ON_REFERENCE and not fused_apply and norm_of is None
+    return jax.lax.platform_dependent(cpu=reference, cuda=kernel("cuda", on_ref),
+                                      tpu=kernel("tpu", on_ref), default=reference)
   if backend == "pallas":
     return jax.lax.platform_dependent(cuda=kernel("cuda"), tpu=kernel("tpu"),
                                       default=kernel("interpret"))

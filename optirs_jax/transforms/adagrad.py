@@ -76,7 +76,7 @@ def adagrad(learning_rate: optax.ScalarOrSchedule,
       rule = rules.applying(rule)
     outs, _ = execute(rule, h, rules.ADAGRAD_HYPER, leaves, backend=backend,
                       pads=(0.0, 1.0, 0.0), aliases={1: 1, **({0: 2} if fused else {})},
-                      name="adagrad")
+                      name="adagrad", fused_apply=fused)
     return (jax.tree.unflatten(treedef, [o[0] for o in outs]),
             AdagradState(count=c.safe_increment(state.count),
                          sum_of_squares=jax.tree.unflatten(treedef, [o[1] for o in outs])))

@@ -68,7 +68,8 @@ def _adam_family(fn: str, learning_rate, b1, b2, eps, eps_root, mu_dtype, weight
       o, n = execute(rule, h, rules.ADAM_HYPER, [leaves[i] for i in idx], backend=backend,
                      pads=(0.0, 0.0, 1.0, 0.0),
                      aliases={1: 1, 2: 2, **({0: 3} if apply_in_kernel else {})},
-                     norm_of=((3,), (0,)) if trust_ratio else None, name=fn.split(".")[-1])
+                     norm_of=((3,), (0,)) if trust_ratio else None, name=fn.split(".")[-1],
+                     fused_apply=apply_in_kernel)
       for j, i in enumerate(idx):
         outs[i] = o[j]
         norms[i] = n[j] if n is not None else None

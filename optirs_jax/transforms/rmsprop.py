@@ -113,7 +113,7 @@ def rmsprop(learning_rate: optax.ScalarOrSchedule, decay: jax.typing.ArrayLike =
     if fused:
       aliases[0] = len(slots)
     outs, _ = execute(rule, h, rules.RMSPROP_HYPER, leaves, backend=backend, pads=pads,
-                      aliases=aliases, name="rmsprop")
+                      aliases=aliases, name="rmsprop", fused_apply=fused)
     column = lambda k: jax.tree.unflatten(treedef, [o[k] for o in outs])
     k_mu, k_trace = 2, 2 + int(centered)
     return column(0), RmspropState(

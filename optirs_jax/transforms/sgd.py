@@ -79,7 +79,8 @@ def sgd(learning_rate: optax.ScalarOrSchedule, momentum: jax.typing.ArrayLike | 
     if fused:
       rule = rules.applying(rule)
     outs, _ = execute(rule, h, rules.SGD_HYPER, leaves, backend=backend, pads=(0.0, 0.0, 0.0),
-                      aliases={1: 1, **({0: len(leaves[0]) - 1} if fused else {})}, name="sgd")
+                      aliases={1: 1, **({0: len(leaves[0]) - 1} if fused else {})}, name="sgd",
+                      fused_apply=fused)
     new_trace = jax.tree.unflatten(treedef, [o[1] for o in outs]) if has_trace else None
     return (jax.tree.unflatten(treedef, [o[0] for o in outs]),
             SgdState(count=c.safe_increment(state.count), trace=new_trace))
