@@ -14,6 +14,7 @@ dtype('float32')
 
 from importlib import metadata as _metadata
 
+from optirs_jax import flat
 from optirs_jax.apply import apply
 from optirs_jax.backends import SUPPORTED_BACKENDS, available_backends
 from optirs_jax.transforms import (AdagradState, AdamState, RmspropState, SgdState, adagrad, adam,
@@ -26,5 +27,5 @@ except _metadata.PackageNotFoundError:  # running from a source tree
 
 __all__ = [
     "SUPPORTED_BACKENDS", "AdagradState", "AdamState", "RmspropState", "SgdState", "adagrad",
-    "adam", "adamw", "apply", "available_backends", "lamb", "rmsprop", "sgd",
+    "adam", "adamw", "apply", "available_backends", "flat", "lamb", "rmsprop", "sgd",
 ]
