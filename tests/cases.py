@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -60,6 +61,20 @@ def ragged_tree(seed: int, dtype=jnp.float32, shapes=RAGGED_SHAPES):
 def pair(name: str, kw: dict, backend: str, lr=1e-2):
   """(optirs_jax transformation, optax transformation) for one case."""
   return getattr(optirs_jax, name)(lr, **kw, backend=backend), getattr(optax, name)(lr, **kw)
+
+
+def pallas_matches_jnp(name: str, params) -> tuple:
+  """Asserts one ``update`` of ``name`` on the Pallas backend equals the jnp reference's on
+  ``params`` (gradients derived from them); returns ``(pallas opt, grads, ref updates,
+  ref state)`` for further checks."""
+  grads = jax.tree.map(lambda x: 0.5 * x + 0.1, params)
+  ours = getattr(optirs_jax, name)(1e-2, backend="pallas")
+  ref = getattr(optirs_jax, name)(1e-2, backend="jnp")
+  u, s = jax.jit(ours.update)(grads, ours.init(params), params)
+  ru, rs = jax.jit(ref.update)(grads, ref.init(params), params)
+  chex.assert_trees_all_close(u, ru, rtol=1e-6, atol=1e-9)
+  chex.assert_trees_all_close(s, rs, rtol=1e-6, atol=1e-9)
+  return ours, grads, ru, rs
 
 
 def loss(params):

@@ -87,7 +87,8 @@ def test_tpu_full_compile_through_libtpu(name):
   assert "tpu_custom_call" in compiled.as_text()
 
 
-def _cuda_triton_calls(step, *args):
+def cuda_triton_calls(step, *args) -> int:
+  """How many Triton kernel calls the cuda export of ``jax.jit(step)(*args)`` holds."""
   shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), args)
   with abstract_target("NVIDIA H200", "cuda"):
     exp = jax.export.export(
@@ -110,8 +111,8 @@ def test_update_path_leaves_large_leaves_to_xla_unless_norms_are_needed(name):
     return optax.apply_updates(p, u), s
 
   fused = lambda p, s, g: optirs_jax.apply(opt, g, s, p)
-  assert _cuda_triton_calls(fused, params, state, params) == 2
-  assert _cuda_triton_calls(contract, params, state, params) == (2 if name == "lamb" else 1)
+  assert cuda_triton_calls(fused, params, state, params) == 2
+  assert cuda_triton_calls(contract, params, state, params) == (2 if name == "lamb" else 1)
 
 
 def test_update_path_routing_can_be_turned_off(monkeypatch):
@@ -119,5 +120,5 @@ def test_update_path_routing_can_be_turned_off(monkeypatch):
   monkeypatch.setattr(executor, "IN_PLACE_UPDATES_ON_REFERENCE", False)
   opt = optirs_jax.adam(1e-3)
   params = {"big": jnp.ones((2048, 128)), "b": jnp.ones((7,))}
-  assert _cuda_triton_calls(lambda p, s, g: opt.update(g, s, p), params, opt.init(params),
+  assert cuda_triton_calls(lambda p, s, g: opt.update(g, s, p), params, opt.init(params),
                             params) == 2

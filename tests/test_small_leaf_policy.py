@@ -13,7 +13,7 @@ import pytest
 import optirs_jax
 from optirs_jax.pallas import executor, kernel
 from tests import cases
-from tests.test_lowering import TRITON, abstract_target
+from tests.test_lowering import cuda_triton_calls
 
 
 @pytest.fixture(params=executor.SMALL_LEAF_POLICIES)
@@ -37,13 +37,7 @@ def tree():
 @pytest.mark.parametrize("name", ["adam", "lamb", "sgd"])
 def test_policy_matches_reference_on_both_paths(policy, name):
   params = tree()
-  grads = jax.tree.map(lambda x: 0.5 * x + 0.1, params)
-  ours = getattr(optirs_jax, name)(1e-2, backend="pallas")
-  ref = getattr(optirs_jax, name)(1e-2, backend="jnp")
-  u, s = jax.jit(ours.update)(grads, ours.init(params), params)
-  ru, rs = jax.jit(ref.update)(grads, ref.init(params), params)
-  chex.assert_trees_all_close(u, ru, rtol=1e-6, atol=1e-9)
-  chex.assert_trees_all_close(s, rs, rtol=1e-6, atol=1e-9)
+  ours, grads, ru, rs = cases.pallas_matches_jnp(name, params)
   p, s = jax.jit(lambda g, s, p: optirs_jax.apply(ours, g, s, p))(grads, ours.init(params),
                                                                     params)
   chex.assert_trees_all_close(p, jax.tree.map(lambda a, b: a + b, params, ru), rtol=1e-6,
@@ -55,13 +49,8 @@ def test_policy_changes_the_number_of_kernel_launches(policy, monkeypatch, stand
   monkeypatch.setitem(kernel.TILINGS, "cuda", kernel.Tiling(8))
   opt = optirs_jax.adam(1e-3)
   params = tree()
-  shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
-                        (params, opt.init(params), params))
-  with abstract_target("NVIDIA H200", "cuda"):
-    exp = jax.export.export(
-        jax.jit(lambda p, s, g: optirs_jax.apply(opt, g, s, p)), platforms=["cuda"],
-        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON)])(*shapes)
-  launches = exp.mlir_module().count(TRITON)
+  launches = cuda_triton_calls(lambda p, s, g: optirs_jax.apply(opt, g, s, p), params,
+                               opt.init(params), params)
   # pack: "block", "rows", and one launch for everything else packed; reference: the two in
   # place only; solo: also "lanes" on its own (a launch for its whole block; "short_lanes"
   # is shorter than a block, so jnp computes it), and the rest packed.
