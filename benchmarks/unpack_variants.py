@@ -3,9 +3,10 @@
     PYTHONPATH=. python3 benchmarks/unpack_variants.py [leaves] [size]
 
 Times, for ``leaves`` leaves of ``size`` float32 elements: the concatenation into one
-buffer (what the kernel path does with g, m, v), and three ways back to leaves: bare
-slices (``jnp.split``), slices feeding a multiply by an opaque 1 (what
-``optirs_jax.pallas.executor._unpack`` does), and the same through a donated input.
+buffer (what the kernel path does with g, m, v), and two ways back to leaves: bare slices
+(``jnp.split``, what ``optirs_jax.pallas.executor._unpack`` does) and slices feeding a
+multiply by an opaque 1 (tried so that XLA would merge them; it did not, see
+benchmarks/NOTES.md).
 """
 
 import statistics

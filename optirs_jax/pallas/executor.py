@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from optirs_jax.pallas.kernel import TILINGS, elementwise_call, hyper_vector
-from optirs_jax.planning.layout import plan_layout
+from optirs_jax.planning.layout import plan_layout, runs_in_place
 
 Leaf = tuple  # one leaf's arrays, in the rule's argument order
 
@@ -125,10 +125,9 @@ def _kernel(rule, h, names, leaves, pads, norm_of, aliases, platform, name,
   def runs_on_kernel(leaf):
     if not all(x.dtype in supported for x in leaf) or leaf[0].size == 0:
       return False
-    packed = leaf[0].size < solo_min or leaf[0].size % tiling.lanes
-    if packed:
-      return policy != "reference"
-    return not in_place_on_reference
+    if runs_in_place(leaf[0].size, solo_min_elements=solo_min, solo_multiple=tiling.lanes):
+      return not in_place_on_reference
+    return policy != "reference"  # a leaf the default plan would pack
 
   use_kernel = [runs_on_kernel(leaf) for leaf in leaves]
   ref_idx = [i for i, k in enumerate(use_kernel) if not k]

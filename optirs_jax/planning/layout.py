@@ -82,6 +82,11 @@ def padded_size(size: int, block_elems: int) -> int:
   return -(-size // block_elems) * block_elems
 
 
+def runs_in_place(size: int, *, solo_min_elements: int, solo_multiple: int) -> bool:
+  """Whether :func:`plan_layout` gives a leaf of ``size`` elements a group of its own."""
+  return size % solo_multiple == 0 and size >= solo_min_elements
+
+
 def plan_layout(sizes: Sequence[int], keys: Sequence[Hashable], *, block_elems: int,
                 solo_min_elements: int = 1 << 20, solo_multiple: int | None = None,
                 max_group_elements: int = 1 << 30) -> LayoutPlan:
@@ -121,7 +126,7 @@ def plan_layout(sizes: Sequence[int], keys: Sequence[Hashable], *, block_elems: 
     if size == 0:
       continue
     padded = padded_size(size, block_elems)
-    if size % solo_multiple == 0 and size >= solo_min_elements:
+    if runs_in_place(size, solo_min_elements=solo_min_elements, solo_multiple=solo_multiple):
       groups.append(Group(key, (Placement(leaf, 0, size, size),), size, block_elems, solo=True))
       continue
     placements = open_groups.get(key)
