@@ -1,22 +1,31 @@
 #!/usr/bin/env bash
-# The many-leaf step under each small-leaf policy of the kernel backend, and under XLA's
-# command buffers (CUDA graphs) on and off, on the GPU machine. One JSON per variant in $OUT.
-#   bash benchmarks/policy_variants.sh
-# Each variant times optirs-apply, optirs-update and optax on GPT-2 small and 2000 x 16K
-# leaves (Adam); optax shows what the flag alone does to an XLA program of many kernels.
+# The kernel backend's leaf policies side by side on the GPU machine, one JSON per variant in
+# $OUT:
+#   VARIANTS=group-all,group,pack TREES=gpt2,flat bash benchmarks/policy_variants.sh
+# Variants (small-leaf policy / large-leaf policy): pack (pack / in-place), solo, reference,
+# group (group / in-place), group-all (group / group), and pack-nocmdbuf (pack, with XLA's
+# command buffers off). The first variant also times optax and torch; the others time
+# optirs_jax's two paths only, so compare ratios within one call.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=.:${PYTHONPATH:-}
 OUT=${OUT:-/tmp/optirs_out}
 mkdir -p "$OUT"
 TREES=${TREES:-gpt2,leaves}
-run() {  # label, XLA_FLAGS, bench args...
-  local label=$1 flags=$2; shift 2
-  echo "== $label (XLA_FLAGS='$flags')"
-  XLA_FLAGS="$flags" timeout ${VARIANT_TIMEOUT:-240} python3 -m optirs_jax.bench --trees "$TREES" \
-    --optimizers adam --no-torch --json "$OUT/policy-$label.json" "$@" 2>/dev/null | tail -n +3
-}
-run pack "" --small-leaves pack --impls optirs-apply,optirs-update,optax
-run solo "" --small-leaves solo --impls optirs-apply,optirs-update
-run reference "" --small-leaves reference --impls optirs-apply,optirs-update
-run pack-nocmdbuf "--xla_gpu_enable_command_buffer=" --small-leaves pack \
-  --impls optirs-apply,optax
+OPTIMIZERS=${OPTIMIZERS:-adam}
+VARIANTS=${VARIANTS:-group-all,group,pack,solo,reference,pack-nocmdbuf}
+first=1
+for label in ${VARIANTS//,/ }; do
+  flags="" large=in-place
+  case $label in
+    pack|solo|reference|group) small=$label ;;
+    group-all) small=group large=group ;;
+    pack-nocmdbuf) small=pack flags="--xla_gpu_enable_command_buffer=" ;;
+    *) echo "unknown variant $label"; exit 2 ;;
+  esac
+  impls=(--impls optirs-apply,optirs-update)
+  if ((first)); then impls=(${FIRST_IMPLS:+--impls $FIRST_IMPLS}); first=0; fi
+  echo "== $label (small leaves: $small, large leaves: $large, XLA_FLAGS='$flags')"
+  XLA_FLAGS="$flags" timeout ${VARIANT_TIMEOUT:-240} python3 -m optirs_jax.bench \
+    --trees "$TREES" --optimizers "$OPTIMIZERS" --small-leaves $small --large-leaves $large \
+    --json "$OUT/policy-$label.json" "${impls[@]}" 2>>"$OUT/policy.err" | tail -n +3
+done

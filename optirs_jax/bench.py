@@ -309,6 +309,7 @@ def meta(args, scale, copy_bw, copy_n) -> dict:
           "command": " ".join(["python -m optirs_jax.bench"] + sys.argv[1:]),
           "scale": scale, "copy_gbps": copy_bw / 1e9, "copy_elements": copy_n,
           "small_leaf_policy": executor.SMALL_LEAF_POLICY,
+          "large_leaf_policy": executor.LARGE_LEAF_POLICY,
           "xla_flags": os.environ.get("XLA_FLAGS", ""),
           "timing": f"median of {args.batches} batches x {args.steps} steps, "
                     f"{args.warmup} warm-up"}
@@ -352,9 +353,15 @@ def main(argv=None) -> int:
                       help="what the kernel backend does with leaves too small to run in "
                            f"place (default: {executor.SMALL_LEAF_POLICY!r}); an experiment "
                            "knob, see benchmarks/policy_variants.sh")
+  parser.add_argument("--large-leaves", choices=executor.LARGE_LEAF_POLICIES, default=None,
+                      help="what the kernel backend does with leaves large enough to run in "
+                           f"place (default: {executor.LARGE_LEAF_POLICY!r}); 'group' takes "
+                           "effect with --small-leaves group")
   args = parser.parse_args(argv)
   if args.small_leaves:
     executor.SMALL_LEAF_POLICY = args.small_leaves
+  if args.large_leaves:
+    executor.LARGE_LEAF_POLICY = args.large_leaves
   if args.optimizers is None:
     args.optimizers = ["adam", "lamb", "sgd"] if jax.default_backend() == "cpu" else list(
         OPTIMIZERS)

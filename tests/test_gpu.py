@@ -15,6 +15,7 @@ import optax
 import pytest
 
 import optirs_jax
+from optirs_jax.pallas import executor
 from tests import cases
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
@@ -24,10 +25,20 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
 NAMES = ["adam", "adamw", "lamb", "sgd", "rmsprop", "adagrad"]
 KW = {"sgd": {"momentum": 0.9, "nesterov": True}, "rmsprop": {"centered": True, "momentum": 0.9}}
 BIG = {"emb": (50257, 64), "aligned": (1024, 1024), "w": (768, 3072), "b": (768,), "s": ()}
+# (small-leaf policy, large-leaf policy): the packed and the grouped executors.
+POLICIES = [("pack", "in-place"), ("group", "in-place"), ("group", "group")]
+
+
+@pytest.fixture(params=POLICIES, ids=["-".join(p) for p in POLICIES])
+def leaf_policy(request, monkeypatch):
+  small, large = request.param
+  monkeypatch.setattr(executor, "SMALL_LEAF_POLICY", small)
+  monkeypatch.setattr(executor, "LARGE_LEAF_POLICY", large)
+  return request.param
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_triton_matches_reference_on_large_ragged_tree(name):
+def test_triton_matches_reference_on_large_ragged_tree(name, leaf_policy):
   kw = KW.get(name, {})
   gpu = getattr(optirs_jax, name)(1e-3, **kw, backend="auto")
   ref = getattr(optirs_jax, name)(1e-3, **kw, backend="jnp")
@@ -70,7 +81,7 @@ def test_bf16_on_gpu_matches_optax():
   chex.assert_trees_all_close(u, ru, rtol=2 ** -6, atol=1e-6)
 
 
-def test_donated_step_reuses_the_donated_buffers():
+def test_donated_step_reuses_the_donated_buffers(leaf_policy):
   """With params and state donated, the fused step allocates no new buffers for them: the
   outputs live in the donated inputs' memory (JAX may pair equal-shaped buffers either way)."""
   opt = optirs_jax.adam(1e-3)
@@ -85,7 +96,7 @@ def test_donated_step_reuses_the_donated_buffers():
 
 
 @pytest.mark.parametrize("name", ["adam", "lamb", "sgd"])
-def test_a_step_donated_in_output_order_compiles_without_copies(name):
+def test_a_step_donated_in_output_order_compiles_without_copies(name, leaf_policy):
   """Donated in the order of the outputs, a fused step on one large leaf holds no copy of
   it: the kernel reads and writes the donated buffers (benchmarks/NOTES.md, run 2). In
   the other order it held five."""

@@ -54,12 +54,13 @@ def test_policy_changes_the_number_of_kernel_launches(policy, monkeypatch, stand
   # pack: "block", "rows", and one launch for everything else packed; reference: the two in
   # place only; solo: also "lanes" on its own (a launch for its whole block; "short_lanes"
   # is shorter than a block, so jnp computes it), and the rest packed.
-  assert launches == {"pack": 3, "reference": 2, "solo": 4}[policy]
+  # group: the two in place and one grouped launch for every other leaf.
+  assert launches == {"pack": 3, "reference": 2, "solo": 4, "group": 3}[policy]
 
 
 def test_an_unknown_policy_is_an_error_naming_the_valid_ones(monkeypatch):
   monkeypatch.setattr(executor, "SMALL_LEAF_POLICY", "scatter")
   opt = optirs_jax.sgd(1e-2, backend="pallas")
   params = cases.ragged_tree(0)
-  with pytest.raises(ValueError, match="'pack', 'solo', 'reference'"):
+  with pytest.raises(ValueError, match="'pack', 'solo', 'reference', 'group'"):
     opt.update(params, opt.init(params), params)

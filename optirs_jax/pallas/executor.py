@@ -19,8 +19,9 @@ from collections.abc import Callable, Mapping, Sequence
 import jax
 import jax.numpy as jnp
 
+from optirs_jax.pallas import grouped
 from optirs_jax.pallas.kernel import TILINGS, elementwise_call, hyper_vector
-from optirs_jax.planning.layout import plan_layout, runs_in_place
+from optirs_jax.planning.layout import plan_grouped_calls, plan_layout, runs_in_place
 
 Leaf = tuple  # one leaf's arrays, in the rule's argument order
 
@@ -35,11 +36,18 @@ SOLO_MIN_BLOCKS = 64
 # What the kernel backend does with the leaves it would pack (smaller than SOLO_MIN_BLOCKS
 # blocks, or not a whole number of lanes): "pack" them into one buffer per dtype (one launch,
 # plus a concatenation in and one slice per leaf and output back); run each "solo" in place
-# (one launch per leaf; leaves not a whole number of lanes are still packed); or hand them
-# to the "reference" (one XLA fusion per leaf). Which is fastest depends on what a launch
-# costs; benchmarks/policy_variants.sh measures the three.
-SMALL_LEAF_POLICIES = ("pack", "solo", "reference")
+# (one launch per leaf; leaves not a whole number of lanes are still packed); hand them to
+# the "reference" (one XLA fusion per leaf); or "group" them: a few launches that each read
+# and write many leaves in their own buffers (optirs_jax.pallas.grouped; the TPU packs
+# instead). Which is fastest depends on what a launch costs; benchmarks/policy_variants.sh
+# measures them.
+SMALL_LEAF_POLICIES = ("pack", "solo", "reference", "group")
 SMALL_LEAF_POLICY = "pack"
+# What the kernel backend does with the leaves large enough to run in place: one launch
+# each ("in-place"), or join the small leaves' grouped launches ("group", where the small
+# leaves are grouped).
+LARGE_LEAF_POLICIES = ("in-place", "group")
+LARGE_LEAF_POLICY = "in-place"
 # On the optax-contract path (``update`` without the fused apply) with backend="auto", the
 # leaves large enough to run in place go to the reference when the rule needs no per-leaf
 # norm: XLA then fuses the update with whatever consumes it (optax.apply_updates), as it
@@ -116,59 +124,91 @@ def _kernel(rule, h, names, leaves, pads, norm_of, aliases, platform, name,
             in_place_on_reference=False):
   tiling = TILINGS[platform]
   supported = KERNEL_DTYPES[platform]
-  policy = SMALL_LEAF_POLICY
+  policy, large_policy = SMALL_LEAF_POLICY, LARGE_LEAF_POLICY
   if policy not in SMALL_LEAF_POLICIES:
     raise ValueError(f"SMALL_LEAF_POLICY={policy!r} is not one of {SMALL_LEAF_POLICIES}")
+  if large_policy not in LARGE_LEAF_POLICIES:
+    raise ValueError(f"LARGE_LEAF_POLICY={large_policy!r} is not one of {LARGE_LEAF_POLICIES}")
+  groups = policy == "group" and platform in grouped.TILINGS
   solo_min = SOLO_MIN_BLOCKS * tiling.block_elems
   leaf_out_dtypes = _output_dtypes(rule, h, leaves)
 
-  def runs_on_kernel(leaf):
+  def route(leaf):  # "reference", "group" or "plan" (plan_layout: in place or packed)
     if not all(x.dtype in supported for x in leaf) or leaf[0].size == 0:
-      return False
+      return "reference"
     if runs_in_place(leaf[0].size, solo_min_elements=solo_min, solo_multiple=tiling.lanes):
-      return not in_place_on_reference
-    return policy != "reference"  # a leaf the default plan would pack
+      if in_place_on_reference:
+        return "reference"
+      return "group" if groups and large_policy == "group" else "plan"
+    if policy == "reference":  # a leaf the default plan would pack
+      return "reference"
+    return "group" if groups else "plan"
 
-  use_kernel = [runs_on_kernel(leaf) for leaf in leaves]
-  ref_idx = [i for i, k in enumerate(use_kernel) if not k]
+  routes = [route(leaf) for leaf in leaves]
   outs: list = [None] * len(leaves)
   norms: list = [None] * len(leaves)
+  ref_idx = [i for i, r in enumerate(routes) if r == "reference"]
   if ref_idx:
     r_outs, r_norms = _reference(rule, h, [leaves[i] for i in ref_idx], norm_of)
     for j, i in enumerate(ref_idx):
       outs[i] = r_outs[j]
       norms[i] = r_norms[j] if r_norms is not None else None
-  k_idx = [i for i, k in enumerate(use_kernel) if k]
+  if len(ref_idx) == len(leaves):
+    return outs, (norms if norm_of is not None else None)
+  hvec = hyper_vector(h, names)
+  norm_in, norm_out = norm_of if norm_of is not None else ((), ())
+
+  def in_place(in_dtypes, out_dtypes):
+    return {i: o for o, i in aliases.items()
+            if o < len(out_dtypes) and i < len(in_dtypes) and in_dtypes[i] == out_dtypes[o]}
+
+  def set_norms(members, partials, owner):
+    sums = [jax.ops.segment_sum(part, jnp.asarray(owner), num_segments=len(members),
+                                indices_are_sorted=True) for part in partials]
+    for j, i in enumerate(members):
+      norms[i] = tuple(jnp.sqrt(s[j]) for s in sums)
+
+  g_idx = [i for i, r in enumerate(routes) if r == "group"]
+  if g_idx:
+    g_tiling = grouped.TILINGS[platform]
+    n_ops = len(leaves[g_idx[0]]) + len(leaf_out_dtypes[g_idx[0]])
+    for call in plan_grouped_calls([leaves[i][0].size for i in g_idx],
+                                   block_elems=g_tiling.block_elems, operands_per_leaf=n_ops):
+      members = [g_idx[k] for k in call.leaves]
+      alias = [in_place(tuple(x.dtype for x in leaves[i]), leaf_out_dtypes[i])
+               for i in members]
+      results, partials = grouped.grouped_call(
+          rule, names, hvec, [leaves[i] for i in members],
+          [leaf_out_dtypes[i] for i in members], call, platform=platform, pads=pads,
+          aliases=alias, norm_inputs=norm_in, norm_outputs=norm_out, name=name)
+      for i, res in zip(members, results):
+        outs[i] = tuple(y.reshape(leaves[i][0].shape) for y in res)
+      if partials:
+        set_norms(members, partials, call.block_owner())
+
+  k_idx = [i for i, r in enumerate(routes) if r == "plan"]
   if not k_idx:
     return outs, (norms if norm_of is not None else None)
   keys = [(tuple(x.dtype for x in leaves[i]), leaf_out_dtypes[i]) for i in k_idx]
   plan = plan_layout([leaves[i][0].size for i in k_idx], keys, block_elems=tiling.block_elems,
                      solo_min_elements=1 if policy == "solo" else solo_min,
                      solo_multiple=tiling.lanes)
-  hvec = hyper_vector(h, names)
-  norm_in, norm_out = norm_of if norm_of is not None else ((), ())
   for group in plan.groups:
     members = [k_idx[p.leaf] for p in group.placements]
     in_dtypes, out_dtypes = group.key
     packed = [_pack([leaves[i][s] for i in members], group, pads[s], tiling.lanes)
               for s in range(len(in_dtypes))]
-    alias = {i: o for o, i in aliases.items()
-             if o < len(out_dtypes) and i < len(in_dtypes) and in_dtypes[i] == out_dtypes[o]}
     results = elementwise_call(rule, names, hvec, packed, out_dtypes, platform=platform,
-                               aliases=alias, norm_inputs=norm_in, norm_outputs=norm_out,
-                               name=name)
+                               aliases=in_place(in_dtypes, out_dtypes), norm_inputs=norm_in,
+                               norm_outputs=norm_out, name=name)
     data, partials = results[:len(out_dtypes)], results[len(out_dtypes):]
     shapes = [leaves[i][0].shape for i in members]
     columns = [_unpack(y, group, shapes) for y in data]
     for j, i in enumerate(members):
       outs[i] = tuple(col[j] for col in columns)
     if partials:
-      owner = jnp.asarray(group.block_owner())
-      sums = [jax.ops.segment_sum(jnp.sum(part[:, 0, :], axis=1), owner,
-                                  num_segments=len(members), indices_are_sorted=True)
-              for part in partials]
-      for j, i in enumerate(members):
-        norms[i] = tuple(jnp.sqrt(s[j]) for s in sums)
+      set_norms(members, [jnp.sum(part[:, 0, :], axis=1) for part in partials],
+                group.block_owner())
   return outs, (norms if norm_of is not None else None)
 
 

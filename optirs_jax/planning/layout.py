@@ -145,3 +145,79 @@ def plan_layout(sizes: Sequence[int], keys: Sequence[Hashable], *, block_elems: 
       close(key)
   groups.sort(key=lambda g: g.placements[0].leaf)
   return LayoutPlan(tuple(groups), block_elems)
+
+
+# Kernel arguments are passed in a parameter space of 4 KB on every CUDA version; at 8 bytes
+# per pointer this leaves room for the hyper-parameter vector and the norm outputs.
+MAX_POINTERS_PER_CALL = 384
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedCall:
+  """Leaves one grouped kernel launch reads and writes in their own buffers (no packing).
+
+  The launch's grid has one program per block of every leaf: leaf ``k`` (position ``k`` in
+  ``leaves``) owns programs ``starts[k]`` to ``starts[k + 1] - 1``, and its last block is
+  masked to ``sizes[k]`` elements.
+  """
+
+  leaves: tuple[int, ...]
+  sizes: tuple[int, ...]
+  starts: tuple[int, ...]  # len(leaves) + 1 program offsets; starts[-1] is the grid size
+  block_elems: int
+
+  @property
+  def num_blocks(self) -> int:
+    return self.starts[-1]
+
+  def block_owner(self) -> np.ndarray:
+    """For each program, the position in ``leaves`` of the leaf it works on."""
+    return np.repeat(np.arange(len(self.leaves), dtype=np.int32), np.diff(self.starts))
+
+
+def plan_grouped_calls(sizes: Sequence[int], *, block_elems: int, operands_per_leaf: int,
+                       max_pointers: int = MAX_POINTERS_PER_CALL,
+                       max_blocks: int = 2**31 - 1) -> tuple[GroupedCall, ...]:
+  """Splits leaves, in order, into grouped kernel launches.
+
+  A launch takes each leaf's operands as separate buffers, so it is bounded by the kernel's
+  argument space (``operands_per_leaf`` pointers per leaf, at most ``max_pointers``) and by
+  the grid size (``max_blocks`` programs). Zero-size leaves are left out.
+
+  >>> [c.leaves for c in plan_grouped_calls([10, 0, 300, 5], block_elems=128,
+  ...                                        operands_per_leaf=100, max_pointers=200)]
+  [(0, 2), (3,)]
+  >>> plan_grouped_calls([300], block_elems=128, operands_per_leaf=7)[0].starts
+  (0, 3)
+  """
+  if block_elems <= 0:
+    raise ValueError(f"{block_elems=} must be positive")
+  if operands_per_leaf <= 0 or operands_per_leaf > max_pointers:
+    raise ValueError(f"{operands_per_leaf=} must be between 1 and {max_pointers=}")
+  per_call = max_pointers // operands_per_leaf
+  calls: list[GroupedCall] = []
+  leaves: list[int] = []
+  counts: list[int] = []
+  sizes_in: list[int] = []
+
+  def close():
+    if leaves:
+      starts = tuple(int(s) for s in np.cumsum([0] + counts))
+      calls.append(GroupedCall(tuple(leaves), tuple(sizes_in), starts, block_elems))
+      leaves.clear(), counts.clear(), sizes_in.clear()
+
+  for leaf, size in enumerate(sizes):
+    size = int(size)
+    if size < 0:
+      raise ValueError(f"leaf {leaf} has negative size {size}")
+    if size == 0:
+      continue
+    blocks = -(-size // block_elems)
+    if blocks > max_blocks:
+      raise ValueError(f"leaf {leaf} of {size} elements needs {blocks} blocks of "
+                       f"{block_elems}, more than {max_blocks=}")
+    if len(leaves) == per_call or sum(counts) + blocks > max_blocks:
+      close()
+    leaves.append(leaf), counts.append(blocks), sizes_in.append(size)
+  close()
+  return tuple(calls)

@@ -1,0 +1,120 @@
+"""The grouped kernel: many leaves per launch, each in its own buffers.
+
+With ``SMALL_LEAF_POLICY = "group"`` and ``LARGE_LEAF_POLICY = "group"`` every leaf of a
+kernel dtype goes through :mod:`optirs_jax.pallas.grouped`. Here it runs in interpret mode
+(the masked loads and stores the Triton kernel uses) against the jnp reference for every
+option of every optimizer, on mixed dtypes, and through the cuda export (launch counts and
+in-place aliasing).
+"""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import optirs_jax
+from optirs_jax.pallas import executor
+from optirs_jax.planning.layout import MAX_POINTERS_PER_CALL, plan_grouped_calls
+from tests import cases
+from tests.test_lowering import TRITON, abstract_target, cuda_triton_calls
+
+
+@pytest.fixture
+def grouped(monkeypatch):
+  monkeypatch.setattr(executor, "SMALL_LEAF_POLICY", "group")
+  monkeypatch.setattr(executor, "LARGE_LEAF_POLICY", "group")
+
+
+def test_plan_splits_at_the_pointer_budget_and_skips_empty_leaves():
+  calls = plan_grouped_calls([5, 0, 2048, 1025] * 30, block_elems=1024, operands_per_leaf=7)
+  per_call = MAX_POINTERS_PER_CALL // 7
+  assert [len(c.leaves) for c in calls] == [per_call, 90 - per_call]
+  assert [i for c in calls for i in c.leaves] == [i for i in range(120) if i % 4 != 1]
+  first = calls[0]
+  assert first.sizes[:3] == (5, 2048, 1025) and first.starts[:4] == (0, 1, 3, 5)
+  np.testing.assert_array_equal(first.block_owner()[:5], [0, 1, 1, 2, 2])
+  assert first.num_blocks == len(first.block_owner())
+
+
+def test_plan_splits_at_the_grid_bound():
+  calls = plan_grouped_calls([300] * 5, block_elems=128, operands_per_leaf=2, max_blocks=7)
+  assert [c.leaves for c in calls] == [(0, 1), (2, 3), (4,)]
+  assert all(c.num_blocks <= 7 for c in calls)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"block_elems": 0, "operands_per_leaf": 7}, "block_elems=0 must be positive"),
+    ({"block_elems": 128, "operands_per_leaf": 400}, "operands_per_leaf=400 must be between"),
+    ({"block_elems": 128, "operands_per_leaf": 7, "max_blocks": 1}, "needs 3 blocks"),
+])
+def test_plan_bad_input(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    plan_grouped_calls([300], **kwargs)
+
+
+@pytest.mark.parametrize("case", cases.CASES, ids=cases.case_id)
+def test_grouped_matches_reference_for_every_option(case, grouped, standard_promotion):
+  name, kw = case
+  params = cases.ragged_tree(1)
+  grads = jax.tree.map(lambda x: 0.5 * x + 0.1, params)
+  ours = getattr(optirs_jax, name)(1e-2, backend="pallas", **kw)
+  ref = getattr(optirs_jax, name)(1e-2, backend="jnp", **kw)
+  s, rs = ours.init(params), ref.init(params)
+  for _ in range(3):  # state carried through the kernel, then the fused apply
+    u, s = jax.jit(ours.update)(grads, s, params)
+    ru, rs = jax.jit(ref.update)(grads, rs, params)
+    chex.assert_trees_all_close(u, ru, rtol=1e-6, atol=1e-9)
+    chex.assert_trees_all_close(s, rs, rtol=1e-6, atol=1e-9)
+  p, s = jax.jit(lambda p, s, g: optirs_jax.apply(ours, g, s, p))(params, s, grads)
+  ru, rs = ref.update(grads, rs, params)
+  # p + u may cancel: the updates' own tolerance (1e-6 of |u| ~ 1e-2) is the bound.
+  chex.assert_trees_all_close(p, jax.tree.map(jnp.add, params, ru), rtol=1e-6, atol=1e-7)
+  chex.assert_trees_all_close(s, rs, rtol=1e-6, atol=1e-9)
+
+
+@pytest.mark.parametrize("name", ["adam", "lamb"])
+def test_leaves_of_different_dtypes_share_a_launch(name, monkeypatch):
+  # Half-precision leaves compute in float32 and round once, so they are compared with the
+  # packed kernel (the same math), not with the half-precision reference.
+  params = {"f32": cases.ragged_tree(2)["rows"], "bf16": cases.ragged_tree(3)["thousand"]
+            .astype(jnp.bfloat16), "f16": cases.ragged_tree(4)["cube"].astype(jnp.float16)}
+  grads = jax.tree.map(lambda x: x * 0.5, params)
+  opt = getattr(optirs_jax, name)(1e-3, backend="pallas")
+  step = lambda p, s, g: optirs_jax.apply(opt, g, s, p)
+  packed = jax.jit(lambda *a: step(*a))(params, opt.init(params), grads)  # traced now
+  monkeypatch.setattr(executor, "SMALL_LEAF_POLICY", "group")
+  monkeypatch.setattr(executor, "LARGE_LEAF_POLICY", "group")
+  chex.assert_trees_all_close(jax.jit(lambda *a: step(*a))(params, opt.init(params), grads),
+                              packed,
+                              rtol=1e-6, atol=1e-9)
+  assert cuda_triton_calls(step, params, opt.init(params), grads) == 1
+
+
+def test_one_launch_per_pointer_budget_and_state_in_place(grouped):
+  # Adam's fused apply reads g, p, mu, nu and writes p, mu, nu: 7 buffers a leaf.
+  per_call = MAX_POINTERS_PER_CALL // 7
+  params = {f"w{i:03d}": jnp.full((i % 9 + 1, 130), 0.1) for i in range(per_call + 5)}
+  opt = optirs_jax.adam(1e-3)
+
+  def step(p, s, g):
+    return optirs_jax.apply(opt, g, s, p)
+
+  shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                        (params, opt.init(params), params))
+  with abstract_target("NVIDIA H200", "cuda"):
+    exp = jax.export.export(
+        jax.jit(step, donate_argnums=(0, 1)), platforms=["cuda"],
+        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON)])(*shapes)
+  text = exp.mlir_module()
+  assert text.count(TRITON) == 2
+  # every donated param, mu and nu is aliased to its output (3 per leaf), and the count
+  assert text.count("tf.aliasing_output") == 3 * len(params) + 1
+
+
+def test_unknown_large_leaf_policy_is_an_error_naming_the_valid_ones(monkeypatch):
+  monkeypatch.setattr(executor, "LARGE_LEAF_POLICY", "scatter")
+  opt = optirs_jax.sgd(1e-2, backend="pallas")
+  params = cases.ragged_tree(0)
+  with pytest.raises(ValueError, match="'in-place', 'group'"):
+    opt.update(params, opt.init(params), params)
