@@ -1,6 +1,6 @@
 """What one compiled optimizer step launches: the ops of the optimized HLO's entry computation.
 
-    PYTHONPATH=. python3 benchmarks/hlo_census.py [tree] [impl,...]
+    PYTHONPATH=. python3 benchmarks/hlo_census.py [tree] [impl,...] [small:large policy]
 
 For each implementation (names of ``python -m optirs_jax.bench``), counts the entry
 computation's instructions by kind (fusions by their name stem, custom calls, copies), which
@@ -16,6 +16,7 @@ import time
 import jax
 
 from optirs_jax import bench
+from optirs_jax.pallas import executor
 
 # name = type op(...); a tuple type holds spaces, so the op is the first word before "(".
 LINE = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = .*?\s([a-z][\w\-]*)\(")
@@ -46,13 +47,16 @@ def census(tree: str, impl: str, optimizer: str = "adam") -> None:
   seconds = time.perf_counter() - t0
   kinds = launch_ops(compiled.as_text())
   total = sum(kinds.values())
-  print(f"{tree} {impl}: {len(shapes)} leaves, compile {seconds:.1f} s, {total} launch-level "
+  print(f"{tree} {impl} ({executor.SMALL_LEAF_POLICY}/{executor.LARGE_LEAF_POLICY}): "
+        f"{len(shapes)} leaves, compile {seconds:.1f} s, {total} launch-level "
         f"ops: " + ", ".join(f"{k} {v}" for k, v in kinds.most_common(12)), flush=True)
 
 
 def main(argv):
   tree = argv[1] if len(argv) > 1 else "leaves"
   impls = argv[2].split(",") if len(argv) > 2 else ["optirs-apply", "optax"]
+  if len(argv) > 3:
+    executor.SMALL_LEAF_POLICY, executor.LARGE_LEAF_POLICY = argv[3].split(":")
   for impl in impls:
     census(tree, impl)
   return 0

@@ -15,7 +15,10 @@ Implementations: ``optirs-apply`` (the fused apply path, :func:`optirs_jax.apply
 (the same pair with optax's optimizer), ``optax-flatten`` (optax wrapped in
 ``optax.flatten``), and ``torch-fused`` / ``torch-foreach`` when torch can run here.
 Timing: a first call (compile time), warm-up, then batches of consecutive steps; the
-median batch per step is reported.
+median batch per step is reported, with the host's share (the time to enqueue the calls:
+flattening and checking every leaf, which bounds a step on trees of many leaves). With
+``--loop-steps K`` each step is also timed K at a time inside one jitted call, which is what
+the optimizer costs the device inside a training step jitted as a whole.
 """
 
 from __future__ import annotations
@@ -149,18 +152,33 @@ def _block(tree):
 
 
 def time_steps(run_step, state, *, warmup: int, batches: int, per_batch: int, block):
-  """Median seconds per step over ``batches`` batches of ``per_batch`` consecutive steps."""
+  """Median seconds per step over ``batches`` batches of ``per_batch`` consecutive steps,
+  and the median seconds per step the host took to enqueue them (before the wait)."""
   for _ in range(warmup):
     state = run_step(state)
   block(state)
-  times = []
+  times, host = [], []
   for _ in range(batches):
     t0 = time.perf_counter()
     for _ in range(per_batch):
       state = run_step(state)
+    host.append((time.perf_counter() - t0) / per_batch)
     block(state)
     times.append((time.perf_counter() - t0) / per_batch)
-  return statistics.median(times), state
+  return statistics.median(times), state, statistics.median(host)
+
+
+def _compile(fn, *args):
+  """(compiled fn donating its first two arguments, seconds to compile, step memory)."""
+  t0 = time.perf_counter()
+  compiled = jax.jit(fn, donate_argnums=(0, 1)).lower(*args).compile()
+  seconds = time.perf_counter() - t0
+  analysis = compiled.memory_analysis()
+  mem = None
+  if analysis is not None:
+    mem = int(analysis.argument_size_in_bytes + analysis.output_size_in_bytes
+              - analysis.alias_size_in_bytes + analysis.temp_size_in_bytes)
+  return compiled, seconds, mem
 
 
 def bench_jax(impl, opt, shapes, args):
@@ -168,20 +186,27 @@ def bench_jax(impl, opt, shapes, args):
   grads = make_tree(shapes, 1)
   params = make_tree(shapes, 0)
   state = tx.init(params)
-  jitted = jax.jit(step, donate_argnums=(0, 1))
-  mem = None
   t0 = time.perf_counter()
-  compiled = jitted.lower(params, state, grads).compile()
-  analysis = compiled.memory_analysis()
-  if analysis is not None:
-    mem = int(analysis.argument_size_in_bytes + analysis.output_size_in_bytes
-              - analysis.alias_size_in_bytes + analysis.temp_size_in_bytes)
+  compiled, _, mem = _compile(step, params, state, grads)
   params, state = compiled(params, state, grads)
   _block(params)
   compile_s = time.perf_counter() - t0
-  sec, _ = time_steps(lambda ps: compiled(ps[0], ps[1], grads), (params, state),
-                      warmup=args.warmup, batches=args.batches, per_batch=args.steps, block=_block)
-  return {"ms": sec * 1e3, "compile_s": compile_s, "step_memory_bytes": mem}
+  timing = dict(warmup=args.warmup, batches=args.batches, block=_block)
+  sec, (params, state), host = time_steps(lambda ps: compiled(ps[0], ps[1], grads),
+                                          (params, state), per_batch=args.steps, **timing)
+  out = {"ms": sec * 1e3, "host_ms": host * 1e3, "compile_s": compile_s,
+         "step_memory_bytes": mem}
+  if args.loop_steps:
+    # K steps inside one jitted call: what the step costs the device once the host's
+    # per-call work (flattening and checking every leaf) is paid once per K steps, as in a
+    # training step that jits the forward pass, backward pass and optimizer together.
+    k = args.loop_steps
+    many = lambda p, s, g: jax.lax.fori_loop(0, k, lambda i, ps: step(*ps, g), (p, s))
+    looped, _, _ = _compile(many, params, state, grads)
+    loop_sec, _, _ = time_steps(lambda ps: looped(ps[0], ps[1], grads), (params, state),
+                                per_batch=1, **timing)
+    out["loop_ms"] = loop_sec * 1e3 / k
+  return out
 
 
 def torch_device():
@@ -205,17 +230,17 @@ def bench_torch(mode, opt, shapes, args):
   o.step()
   torch.cuda.synchronize()
   first = time.perf_counter() - t0
-  sec, _ = time_steps(lambda _: o.step(), None, warmup=args.warmup, batches=args.batches,
-                      per_batch=args.steps, block=lambda _: torch.cuda.synchronize())
-  return {"ms": sec * 1e3, "compile_s": first, "step_memory_bytes": None}
+  sec, _, host = time_steps(lambda _: o.step(), None, warmup=args.warmup, batches=args.batches,
+                            per_batch=args.steps, block=lambda _: torch.cuda.synchronize())
+  return {"ms": sec * 1e3, "host_ms": host * 1e3, "compile_s": first, "step_memory_bytes": None}
 
 
 def copy_bandwidth(n: int, args) -> float:
   """Bytes read plus written per second by an elementwise copy of ``n`` float32."""
   x = jnp.arange(n, dtype=jnp.float32)
   f = jax.jit(lambda x: -x, donate_argnums=0)  # in place, like the donated optimizer steps
-  sec, _ = time_steps(f, x, warmup=args.warmup, batches=args.batches, per_batch=args.steps,
-                      block=lambda y: y.block_until_ready())
+  sec, _, _ = time_steps(f, x, warmup=args.warmup, batches=args.batches, per_batch=args.steps,
+                         block=lambda y: y.block_until_ready())
   return 2 * 4 * n / sec
 
 
@@ -278,6 +303,8 @@ def run(args) -> dict:
     if r.get("ms"):
       r["gbps"] = opt.bytes_per_param * n / (r["ms"] * 1e-3) / 1e9
       r["pct_copy"] = 100 * r["gbps"] * 1e9 / copy_bw
+    if r.get("loop_ms"):
+      r["loop_pct_copy"] = 100 * opt.bytes_per_param * n / (r["loop_ms"] * 1e-3) / copy_bw
     rows.append(r)
     progress.step(f"{tree} {name} {impl}")
     if args.json:  # keep what is measured so far, in case the run is cut short
@@ -287,6 +314,8 @@ def run(args) -> dict:
                  and b["impl"] == "optax" and b.get("ms")), None)
     if base and r.get("ms"):
       r["speedup_vs_optax"] = base["ms"] / r["ms"]
+    if base and r.get("loop_ms") and base.get("loop_ms"):
+      r["loop_speedup_vs_optax"] = base["loop_ms"] / r["loop_ms"]
   return {"meta": header, "results": rows}
 
 
@@ -317,18 +346,24 @@ def meta(args, scale, copy_bw, copy_n) -> dict:
 
 def table(report: dict) -> str:
   m = report["meta"]
+  loop = any(r.get("loop_ms") for r in report["results"])
   lines = [f"# {m['date']}  {m['device']}  jax {m['versions']['jax']}"
            + (f"  torch {m['versions']['torch']}" if "torch" in m["versions"] else ""),
            f"# copy bandwidth {m['copy_gbps']:.0f} GB/s (read + write); scale {m['scale']:g}",
            f"{'tree':<12}{'optimizer':<17}{'impl':<15}{'ms':>9}{'GB/s':>8}{'%copy':>7}"
-           f"{'x optax':>9}{'compile s':>10}"]
+           f"{'x optax':>9}{'host ms':>9}{'compile s':>10}"
+           + (f"{'loop ms':>9}{'%copy':>7}{'x optax':>9}" if loop else "")]
   for r in report["results"]:
     if not r.get("ms"):
       lines.append(f"{r['tree']:<12}{r['optimizer']:<17}{r['impl']:<15}  {r.get('error')}")
       continue
-    lines.append(f"{r['tree']:<12}{r['optimizer']:<17}{r['impl']:<15}{r['ms']:9.3f}"
-                 f"{r['gbps']:8.0f}{r['pct_copy']:6.1f}%{r.get('speedup_vs_optax', 0):9.2f}"
-                 f"{r['compile_s']:10.2f}")
+    line = (f"{r['tree']:<12}{r['optimizer']:<17}{r['impl']:<15}{r['ms']:9.3f}"
+            f"{r['gbps']:8.0f}{r['pct_copy']:6.1f}%{r.get('speedup_vs_optax', 0):9.2f}"
+            f"{r.get('host_ms', 0):9.3f}{r['compile_s']:10.2f}")
+    if r.get("loop_ms"):
+      line += (f"{r['loop_ms']:9.3f}{r['loop_pct_copy']:6.1f}%"
+               f"{r.get('loop_speedup_vs_optax', 0):9.2f}")
+    lines.append(line)
   return "\n".join(lines)
 
 
@@ -348,6 +383,9 @@ def main(argv=None) -> int:
   parser.add_argument("--no-torch", action="store_true")
   parser.add_argument("--impls", type=split, default=None,
                       help=f"only these of {list(JAX_IMPLS) + ['torch-fused', 'torch-foreach']}")
+  parser.add_argument("--loop-steps", type=int, default=0,
+                      help="also time K steps inside one jitted call (lax.fori_loop), which "
+                           "takes the host's per-call cost out (column 'loop ms')")
   parser.add_argument("--json", default=None, help="write the report here")
   parser.add_argument("--small-leaves", choices=executor.SMALL_LEAF_POLICIES, default=None,
                       help="what the kernel backend does with leaves too small to run in "
