@@ -4,7 +4,8 @@
 #   VARIANTS=group-all,group,pack TREES=gpt2,flat bash benchmarks/policy_variants.sh
 # Variants (small-leaf policy / large-leaf policy): pack (pack / in-place), solo, reference,
 # group (group / in-place), group-all (group / group), and pack-nocmdbuf (pack, with XLA's
-# command buffers off). The first variant also times optax and torch; the others time
+# command buffers off). EXTRA holds more bench arguments (--loop-steps 10). The first
+# variant also times optax and torch (or FIRST_IMPLS); the others time
 # optirs_jax's two paths only, so compare ratios within one call.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=.:${PYTHONPATH:-}
@@ -27,5 +28,5 @@ for label in ${VARIANTS//,/ }; do
   echo "== $label (small leaves: $small, large leaves: $large, XLA_FLAGS='$flags')"
   XLA_FLAGS="$flags" timeout ${VARIANT_TIMEOUT:-240} python3 -m optirs_jax.bench \
     --trees "$TREES" --optimizers "$OPTIMIZERS" --small-leaves $small --large-leaves $large \
-    --json "$OUT/policy-$label.json" "${impls[@]}" 2>>"$OUT/policy.err" | tail -n +3
+    --json "$OUT/policy-$label.json" "${impls[@]}" ${EXTRA:-} 2>>"$OUT/policy.err" | tail -n +3
 done
