@@ -34,20 +34,21 @@ KERNEL_DTYPES = {
 # Leaves of at least this many blocks run in place, one launch each; smaller ones are packed.
 SOLO_MIN_BLOCKS = 64
 # What the kernel backend does with the leaves it would pack (smaller than SOLO_MIN_BLOCKS
-# blocks, or not a whole number of lanes): "pack" them into one buffer per dtype (one launch,
-# plus a concatenation in and one slice per leaf and output back); run each "solo" in place
-# (one launch per leaf; leaves not a whole number of lanes are still packed); hand them to
-# the "reference" (one XLA fusion per leaf); or "group" them: a few launches that each read
-# and write many leaves in their own buffers (optirs_jax.pallas.grouped; the TPU packs
-# instead). Which is fastest depends on what a launch costs; benchmarks/policy_variants.sh
+# blocks, or not a whole number of lanes): "group" them: a few launches that each read and
+# write many leaves in their own buffers (optirs_jax.pallas.grouped; the TPU packs instead);
+# "pack" them into one buffer per dtype (one launch, plus a concatenation in and one slice
+# per leaf and output back); run each "solo" in place (one launch per leaf; leaves not a
+# whole number of lanes are still packed); or hand them to the "reference" (one XLA fusion
+# per leaf). On an H200, GPT-2 small's Adam step costs the device 1.17 ms grouped against
+# 2.40 ms packed (benchmarks/NOTES.md, "grouped kernel"); benchmarks/policy_variants.sh
 # measures them.
-SMALL_LEAF_POLICIES = ("pack", "solo", "reference", "group")
-SMALL_LEAF_POLICY = "pack"
-# What the kernel backend does with the leaves large enough to run in place: one launch
-# each ("in-place"), or join the small leaves' grouped launches ("group", where the small
-# leaves are grouped).
-LARGE_LEAF_POLICIES = ("in-place", "group")
-LARGE_LEAF_POLICY = "in-place"
+SMALL_LEAF_POLICIES = ("group", "pack", "solo", "reference")
+SMALL_LEAF_POLICY = "group"
+# What the kernel backend does with the leaves large enough to run in place: join the
+# small leaves' grouped launches ("group", where the small leaves are grouped: fewest
+# launches; on one 268M leaf as fast as in place) or one launch each ("in-place").
+LARGE_LEAF_POLICIES = ("group", "in-place")
+LARGE_LEAF_POLICY = "group"
 # On the optax-contract path (``update`` without the fused apply) with backend="auto", the
 # leaves large enough to run in place go to the reference when the rule needs no per-leaf
 # norm: XLA then fuses the update with whatever consumes it (optax.apply_updates), as it
