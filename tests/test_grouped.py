@@ -77,8 +77,9 @@ def test_grouped_matches_reference_for_every_option(case, grouped, standard_prom
 def test_leaves_of_different_dtypes_share_a_launch(name, monkeypatch):
   # Half-precision leaves compute in float32 and round once, so they are compared with the
   # packed kernel (the same math), not with the half-precision reference: equal in float32
-  # to 1e-6, and in half precision within one rounding of it (on a GPU the two kernels'
-  # float32 results may differ in the last bits, which can move a rounding).
+  # to 1e-6. On a GPU the two kernels' float32 results may differ in the last bits, which
+  # can move a half-precision rounding: one ulp of a value, or (LAMB writes its updates in
+  # the params' dtype before the second pass) one ulp of an update of ~1e-3, about 8e-6.
   params = {"f32": cases.ragged_tree(2)["rows"], "bf16": cases.ragged_tree(3)["thousand"]
             .astype(jnp.bfloat16), "f16": cases.ragged_tree(4)["cube"].astype(jnp.float16)}
   grads = jax.tree.map(lambda x: x * 0.5, params)
@@ -93,7 +94,7 @@ def test_leaves_of_different_dtypes_share_a_launch(name, monkeypatch):
   for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(packed)):
     rtol = {jnp.dtype(jnp.bfloat16): 2**-7, jnp.dtype(jnp.float16): 2**-10}.get(a.dtype, 1e-6)
     np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
-                               rtol=rtol, atol=1e-9 if rtol == 1e-6 else 1e-6)
+                               rtol=rtol, atol=1e-9 if rtol == 1e-6 else 1e-5)
   assert cuda_triton_calls(step, params, opt.init(params), grads) == 1
 
 
