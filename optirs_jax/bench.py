@@ -6,8 +6,9 @@
 Times one jitted step (params and state donated) of each implementation on three trees --
 GPT-2 small (148 leaves, 124M), many small leaves (2000 x 16K) and one flat leaf (268M) --
 (and ``leaves-flat``: the 2000 leaves' parameters as one buffer, what an opt-in flat
-parameter layout gives the optimizer) and, in the same run, the device's copy bandwidth. Effective bandwidth is the algorithm's
-minimal bytes (Adam 28 B/param: read p, g, m, v; write p, m, v) over the measured time.
+parameter layout gives the optimizer) and, in the same run, the device's copy bandwidth.
+Effective bandwidth is the algorithm's minimal bytes (Adam 28 B/param: read p, g, m, v;
+write p, m, v) over the measured time.
 On CPU the trees are scaled down (``--scale``) so the run takes a minute or two.
 
 Implementations: ``optirs-apply`` (the fused apply path, :func:`optirs_jax.apply`),

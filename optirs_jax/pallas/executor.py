@@ -2,7 +2,10 @@
 
 ``execute`` takes the leaves as tuples of arrays (``(g, p, mu, nu)`` for Adam, ...), runs
 the rule either as the jnp reference (one fused XLA computation per leaf) or as Pallas
-kernels over packed flat buffers planned by :func:`optirs_jax.planning.plan_layout`, and
+kernels -- grouped launches over the leaves' own buffers
+(:mod:`optirs_jax.pallas.grouped`, planned by
+:func:`optirs_jax.planning.layout.plan_grouped_calls`; the GPU default) or in-place and
+packed flat buffers (planned by :func:`optirs_jax.planning.plan_layout`; the TPU's) -- and
 returns the rule's outputs per leaf (and per-leaf norms when asked).
 
 With ``backend="auto"`` the choice is made per platform at lowering time with

@@ -3,7 +3,7 @@
 ============================  ===============================================================
 module                        what it models
 ============================  ===============================================================
-``layout``                    the flat-buffer layout the optimizer kernels use
+``layout``                    the optimizer kernels' layouts: flat buffers, grouped launches
 ``occupancy``                 CUDA occupancy (the driver's blocks per SM) and block sizes
 ``kernel_fusion``             grouping elementwise/broadcast/reduction ops into kernels
 ``memory``                    arena, buddy and slab allocators; device memory telemetry
@@ -16,7 +16,8 @@ module                        what it models
 from optirs_jax.planning.devices import DeviceCapabilities, block_size_for
 from optirs_jax.planning.kernel_fusion import (FusionPlan, Graph, adam_update_graph, evaluate,
                                               plan_fusion)
-from optirs_jax.planning.layout import Group, LayoutPlan, Placement, padded_size, plan_layout
+from optirs_jax.planning.layout import (Group, GroupedCall, LayoutPlan, Placement, padded_size,
+                                        plan_grouped_calls, plan_layout)
 from optirs_jax.planning.memory import (ArenaAllocator, BuddyAllocator, HardwareUtilization,
                                         MemoryStats, OutOfMemoryError, SlabAllocator,
                                         device_memory_stats)
@@ -28,10 +29,12 @@ from optirs_jax.planning.tensor_cores import GemmLayout, gemm, plan_gemm_layout,
 __all__ = [
     "ArenaAllocator", "BuddyAllocator", "DeviceCapabilities", "FusionPlan", "GemmLayout",
     "adam_update_graph",
-    "Graph", "Group", "HardwareUtilization", "KernelResourceUsage", "LayoutPlan", "MemoryStats",
+    "Graph", "Group", "GroupedCall", "HardwareUtilization", "KernelResourceUsage", "LayoutPlan",
+    "MemoryStats",
     "OccupancyResult", "OutOfMemoryError", "Placement", "SlabAllocator", "SmResourceLimits",
     "best_block_size", "block_size_for", "calculate_occupancy", "carveout_from_percent",
     "device_memory_stats",
-    "evaluate", "gemm", "padded_size", "plan_fusion", "plan_gemm_layout", "plan_layout",
+    "evaluate", "gemm", "padded_size", "plan_fusion", "plan_gemm_layout", "plan_grouped_calls",
+    "plan_layout",
     "select_precision",
 ]
