@@ -53,6 +53,21 @@ def test_plan_bad_input(kwargs, match):
     plan_grouped_calls([300], **kwargs)
 
 
+def test_plan_refuses_a_leaf_its_32_bit_indices_cannot_reach():
+  with pytest.raises(ValueError, match="leaf 1 has 2147483648 elements"):
+    plan_grouped_calls([10, 2**31], block_elems=1024, operands_per_leaf=7)
+
+
+def test_a_leaf_too_large_for_the_grouped_kernel_runs_in_place(grouped, monkeypatch):
+  # The executor sends such a leaf to the in-place kernel instead (limit lowered here).
+  monkeypatch.setattr(executor, "MAX_GROUPED_LEAF_ELEMENTS", 4096)
+  monkeypatch.setattr(executor, "SOLO_MIN_BLOCKS", 1)
+  params = {"big": jnp.ones((8192,)), "small": jnp.ones((7,))}
+  opt = optirs_jax.adam(1e-3)
+  step = lambda p, s, g: optirs_jax.apply(opt, g, s, p)
+  assert cuda_triton_calls(step, params, opt.init(params), params) == 2
+
+
 @pytest.mark.parametrize("case", cases.CASES, ids=cases.case_id)
 def test_grouped_matches_reference_for_every_option(case, grouped, standard_promotion):
   name, kw = case

@@ -24,7 +24,8 @@ import jax.numpy as jnp
 
 from optirs_jax.pallas import grouped
 from optirs_jax.pallas.kernel import TILINGS, elementwise_call, hyper_vector
-from optirs_jax.planning.layout import plan_grouped_calls, plan_layout, runs_in_place
+from optirs_jax.planning.layout import (MAX_GROUPED_LEAF_ELEMENTS, plan_grouped_calls,
+                                        plan_layout, runs_in_place)
 
 Leaf = tuple  # one leaf's arrays, in the rule's argument order
 
@@ -143,7 +144,8 @@ def _kernel(rule, h, names, leaves, pads, norm_of, aliases, platform, name,
     if runs_in_place(leaf[0].size, solo_min_elements=solo_min, solo_multiple=tiling.lanes):
       if in_place_on_reference:
         return "reference"
-      return "group" if groups and large_policy == "group" else "plan"
+      fits = leaf[0].size <= MAX_GROUPED_LEAF_ELEMENTS
+      return "group" if groups and large_policy == "group" and fits else "plan"
     if policy == "reference":  # a leaf the default plan would pack
       return "reference"
     return "group" if groups else "plan"

@@ -150,6 +150,8 @@ def plan_layout(sizes: Sequence[int], keys: Sequence[Hashable], *, block_elems: 
 # Kernel arguments are passed in a parameter space of 4 KB on every CUDA version; at 8 bytes
 # per pointer this leaves room for the hyper-parameter vector and the norm outputs.
 MAX_POINTERS_PER_CALL = 384
+# A grouped kernel indexes a leaf's elements with 32-bit integers.
+MAX_GROUPED_LEAF_ELEMENTS = 2**31 - 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,7 +184,8 @@ def plan_grouped_calls(sizes: Sequence[int], *, block_elems: int, operands_per_l
 
   A launch takes each leaf's operands as separate buffers, so it is bounded by the kernel's
   argument space (``operands_per_leaf`` pointers per leaf, at most ``max_pointers``) and by
-  the grid size (``max_blocks`` programs). Zero-size leaves are left out.
+  the grid size (``max_blocks`` programs). Zero-size leaves are left out; a leaf of more
+  than ``MAX_GROUPED_LEAF_ELEMENTS`` elements is an error (its indices would overflow).
 
   >>> [c.leaves for c in plan_grouped_calls([10, 0, 300, 5], block_elems=128,
   ...                                        operands_per_leaf=100, max_pointers=200)]
@@ -212,6 +215,9 @@ def plan_grouped_calls(sizes: Sequence[int], *, block_elems: int, operands_per_l
       raise ValueError(f"leaf {leaf} has negative size {size}")
     if size == 0:
       continue
+    if size > MAX_GROUPED_LEAF_ELEMENTS:
+      raise ValueError(f"leaf {leaf} has {size} elements, more than a grouped kernel's 32-bit "
+                       f"indices reach ({MAX_GROUPED_LEAF_ELEMENTS=})")
     blocks = -(-size // block_elems)
     if blocks > max_blocks:
       raise ValueError(f"leaf {leaf} of {size} elements needs {blocks} blocks of "
