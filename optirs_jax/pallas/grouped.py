@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from optirs_jax.pallas.kernel import LANES, NHP, Tiling, block_math
+from optirs_jax.pallas.kernel import LANES, NHP, Tiling, block_math, partial_sum_of_squares
 from optirs_jax.planning.layout import GroupedCall
 from optirs_jax.rules import Hyper
 
@@ -62,10 +62,8 @@ def _body(h_ref, *refs, rule, names, call: GroupedCall, n_in, n_out, pads, norm_
       for r, y in zip(outs, results):
         pltriton.store(r.at[idx], y, mask=mask)
       sources = [ins[i] for i in norm_inputs] + [results[i] for i in norm_outputs]
-      lane = jax.lax.broadcasted_iota(jnp.int32, (1, LANES), 1)
       for r, x in zip(norm_refs, sources):
-        x = jnp.where(mask, x.astype(jnp.float32), 0.0)
-        r[...] = jnp.where(lane == 0, jnp.sum(x * x), 0.0)
+        r[...] = partial_sum_of_squares(jnp.where(mask, x.astype(jnp.float32), 0.0))
 
 
 def grouped_call(rule: Callable, names: Sequence[str], hvec: jax.Array,

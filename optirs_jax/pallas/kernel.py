@@ -66,10 +66,10 @@ def block_math(h: Hyper, blocks: Sequence[jax.Array], rule: Callable, out_dtypes
   ins = [x.astype(jnp.float32) for x in blocks]
   outs = [x.astype(dt) for x, dt in zip(rule(h, *ins), out_dtypes)]
   sources = [ins[i] for i in norm_inputs] + [outs[i] for i in norm_outputs]
-  return outs, [_partial_sum_of_squares(x.astype(jnp.float32)) for x in sources]
+  return outs, [partial_sum_of_squares(x.astype(jnp.float32)) for x in sources]
 
 
-def _partial_sum_of_squares(x: jax.Array) -> jax.Array:
+def partial_sum_of_squares(x: jax.Array) -> jax.Array:
   """A ``(1, LANES)`` row whose lanes add up to ``sum(x**2)``: lane-wise sums of a 2-D
   block, or a 1-D block's total in lane 0."""
   if x.ndim == 2:
