@@ -52,6 +52,13 @@ def case_id(case) -> str:
   return name + ("[" + ",".join(parts) + "]" if parts else "")
 
 
+def use_leaf_policy(monkeypatch, small: str, large: str) -> None:
+  """Sets the kernel executor's small- and large-leaf policies for one test."""
+  from optirs_jax.pallas import executor
+  monkeypatch.setattr(executor, "SMALL_LEAF_POLICY", small)
+  monkeypatch.setattr(executor, "LARGE_LEAF_POLICY", large)
+
+
 def ragged_tree(seed: int, dtype=jnp.float32, shapes=RAGGED_SHAPES):
   keys = jax.random.split(jax.random.PRNGKey(seed), len(shapes))
   return {name: jax.random.normal(k, shape, jnp.float32).astype(dtype)

@@ -15,7 +15,6 @@ import optax
 import pytest
 
 import optirs_jax
-from optirs_jax.pallas import executor
 from tests import cases
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
@@ -32,8 +31,7 @@ POLICIES = [("pack", "in-place"), ("group", "in-place"), ("group", "group")]
 @pytest.fixture(params=POLICIES, ids=["-".join(p) for p in POLICIES])
 def leaf_policy(request, monkeypatch):
   small, large = request.param
-  monkeypatch.setattr(executor, "SMALL_LEAF_POLICY", small)
-  monkeypatch.setattr(executor, "LARGE_LEAF_POLICY", large)
+  cases.use_leaf_policy(monkeypatch, small, large)
   return request.param
 
 

@@ -22,8 +22,7 @@ from tests.test_lowering import TRITON, abstract_target, cuda_triton_calls
 
 @pytest.fixture
 def grouped(monkeypatch):
-  monkeypatch.setattr(executor, "SMALL_LEAF_POLICY", "group")
-  monkeypatch.setattr(executor, "LARGE_LEAF_POLICY", "group")
+  cases.use_leaf_policy(monkeypatch, "group", "group")
 
 
 def test_plan_splits_at_the_pointer_budget_and_skips_empty_leaves():
@@ -100,11 +99,9 @@ def test_leaves_of_different_dtypes_share_a_launch(name, monkeypatch):
   grads = jax.tree.map(lambda x: x * 0.5, params)
   opt = getattr(optirs_jax, name)(1e-3, backend="pallas")
   step = lambda p, s, g: optirs_jax.apply(opt, g, s, p)
-  monkeypatch.setattr(executor, "SMALL_LEAF_POLICY", "pack")
-  monkeypatch.setattr(executor, "LARGE_LEAF_POLICY", "in-place")
+  cases.use_leaf_policy(monkeypatch, "pack", "in-place")
   packed = jax.jit(lambda *a: step(*a))(params, opt.init(params), grads)  # traced now
-  monkeypatch.setattr(executor, "SMALL_LEAF_POLICY", "group")
-  monkeypatch.setattr(executor, "LARGE_LEAF_POLICY", "group")
+  cases.use_leaf_policy(monkeypatch, "group", "group")
   ours = jax.jit(lambda *a: step(*a))(params, opt.init(params), grads)
   for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(packed)):
     rtol = {jnp.dtype(jnp.bfloat16): 2**-7, jnp.dtype(jnp.float16): 2**-10}.get(a.dtype, 1e-6)
@@ -132,11 +129,3 @@ def test_one_launch_per_pointer_budget_and_state_in_place(grouped):
   assert text.count(TRITON) == 2
   # every donated param, mu and nu is aliased to its output (3 per leaf), and the count
   assert text.count("tf.aliasing_output") == 3 * len(params) + 1
-
-
-def test_unknown_large_leaf_policy_is_an_error_naming_the_valid_ones(monkeypatch):
-  monkeypatch.setattr(executor, "LARGE_LEAF_POLICY", "scatter")
-  opt = optirs_jax.sgd(1e-2, backend="pallas")
-  params = cases.ragged_tree(0)
-  with pytest.raises(ValueError, match="'group', 'in-place'"):
-    opt.update(params, opt.init(params), params)

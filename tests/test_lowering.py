@@ -104,9 +104,7 @@ def test_update_path_leaves_large_leaves_to_xla_unless_norms_are_needed(name, mo
   # with apply_updates; the fused apply and LAMB (per-leaf norms) run it in the kernel.
   # (The packed layout gives each its own launch, so the count shows the routing; the
   # default grouped launches would hold both in one either way.)
-  from optirs_jax.pallas import executor
-  monkeypatch.setattr(executor, "SMALL_LEAF_POLICY", "pack")
-  monkeypatch.setattr(executor, "LARGE_LEAF_POLICY", "in-place")
+  cases.use_leaf_policy(monkeypatch, "pack", "in-place")
   opt = getattr(optirs_jax, name)(1e-3, **KWARGS.get(name, {}))
   params = {"big": jnp.ones((2048, 128)), "b": jnp.ones((7,))}
   state = opt.init(params)
@@ -123,8 +121,7 @@ def test_update_path_leaves_large_leaves_to_xla_unless_norms_are_needed(name, mo
 def test_update_path_routing_can_be_turned_off(monkeypatch):
   from optirs_jax.pallas import executor
   monkeypatch.setattr(executor, "IN_PLACE_UPDATES_ON_REFERENCE", False)
-  monkeypatch.setattr(executor, "SMALL_LEAF_POLICY", "pack")
-  monkeypatch.setattr(executor, "LARGE_LEAF_POLICY", "in-place")
+  cases.use_leaf_policy(monkeypatch, "pack", "in-place")
   opt = optirs_jax.adam(1e-3)
   params = {"big": jnp.ones((2048, 128)), "b": jnp.ones((7,))}
   assert cuda_triton_calls(lambda p, s, g: opt.update(g, s, p), params, opt.init(params),

@@ -18,8 +18,7 @@ from tests.test_lowering import cuda_triton_calls
 
 @pytest.fixture(params=executor.SMALL_LEAF_POLICIES)
 def policy(request, monkeypatch):
-  monkeypatch.setattr(executor, "SMALL_LEAF_POLICY", request.param)
-  monkeypatch.setattr(executor, "LARGE_LEAF_POLICY", "in-place")
+  cases.use_leaf_policy(monkeypatch, request.param, "in-place")
   # Smaller blocks, so that the ragged tree has leaves on both sides of the threshold.
   monkeypatch.setattr(executor, "SOLO_MIN_BLOCKS", 2)
   monkeypatch.setitem(kernel.TILINGS, "interpret", kernel.Tiling(8))
@@ -59,9 +58,12 @@ def test_policy_changes_the_number_of_kernel_launches(policy, monkeypatch, stand
   assert launches == {"pack": 3, "reference": 2, "solo": 4, "group": 3}[policy]
 
 
-def test_an_unknown_policy_is_an_error_naming_the_valid_ones(monkeypatch):
-  monkeypatch.setattr(executor, "SMALL_LEAF_POLICY", "scatter")
+@pytest.mark.parametrize("knob, valid", [
+    ("SMALL_LEAF_POLICY", "'group', 'pack', 'solo', 'reference'"),
+    ("LARGE_LEAF_POLICY", "'group', 'in-place'")])
+def test_an_unknown_policy_is_an_error_naming_the_valid_ones(knob, valid, monkeypatch):
+  monkeypatch.setattr(executor, knob, "scatter")
   opt = optirs_jax.sgd(1e-2, backend="pallas")
   params = cases.ragged_tree(0)
-  with pytest.raises(ValueError, match="'group', 'pack', 'solo', 'reference'"):
+  with pytest.raises(ValueError, match=f"{knob}='scatter' is not one of \\({valid}\\)"):
     opt.update(params, opt.init(params), params)
