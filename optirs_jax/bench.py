@@ -16,8 +16,8 @@ Implementations: ``optirs-apply`` (the fused apply path, :func:`optirs_jax.apply
 (the same pair with optax's optimizer), ``optax-flatten`` (optax wrapped in
 ``optax.flatten``), and ``torch-fused`` / ``torch-foreach`` when torch can run here.
 Timing: a first call (compile time), warm-up, then batches of consecutive steps; the
-median batch per step is reported, with the host's share (the time to enqueue the calls:
-flattening and checking every leaf, which bounds a step on trees of many leaves). With
+median batch per step is reported, with the host's share (the time to enqueue the calls,
+which bounds a step on trees of many leaves on an H200). With
 ``--loop-steps K`` each step is also timed K at a time inside one jitted call, which is what
 the optimizer costs the device inside a training step jitted as a whole.
 """
@@ -199,8 +199,8 @@ def bench_jax(impl, opt, shapes, args):
          "step_memory_bytes": mem}
   if args.loop_steps:
     # K steps inside one jitted call: what the step costs the device once the host's
-    # per-call work (flattening and checking every leaf) is paid once per K steps, as in a
-    # training step that jits the forward pass, backward pass and optimizer together.
+    # per-call work is paid once per K steps, as in a training step that jits the forward
+    # pass, backward pass and optimizer together.
     k = args.loop_steps
     many = lambda p, s, g: jax.lax.fori_loop(0, k, lambda i, ps: step(*ps, g), (p, s))
     looped, _, _ = _compile(many, params, state, grads)
