@@ -16,7 +16,7 @@ import time
 import jax
 
 from optirs_jax import bench
-from optirs_jax.pallas import executor
+from optirs_jax import ExecutorOptions
 
 # name = type op(...); a tuple type holds spaces, so the op is the first word before "(".
 LINE = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = .*?\s([a-z][\w\-]*)\(")
@@ -38,16 +38,16 @@ def launch_ops(hlo: str) -> collections.Counter:
   return kinds
 
 
-def census(tree: str, impl: str, optimizer: str = "adam") -> None:
+def census(tree: str, impl: str, options: ExecutorOptions, optimizer: str = "adam") -> None:
   shapes = bench.tree_shapes(tree, 1.0 if jax.default_backend() != "cpu" else 1 / 64)
-  tx, step = bench.jax_step(impl, bench.OPTIMIZERS[optimizer])
+  tx, step = bench.jax_step(impl, bench.OPTIMIZERS[optimizer], options)
   params, grads = bench.make_tree(shapes, 0), bench.make_tree(shapes, 1)
   t0 = time.perf_counter()
   compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, tx.init(params), grads).compile()
   seconds = time.perf_counter() - t0
   kinds = launch_ops(compiled.as_text())
   total = sum(kinds.values())
-  print(f"{tree} {impl} ({executor.SMALL_LEAF_POLICY}/{executor.LARGE_LEAF_POLICY}): "
+  print(f"{tree} {impl} ({options.small_leaf_policy}/{options.large_leaf_policy}): "
         f"{len(shapes)} leaves, compile {seconds:.1f} s, {total} launch-level "
         f"ops: " + ", ".join(f"{k} {v}" for k, v in kinds.most_common(12)), flush=True)
 
@@ -55,10 +55,12 @@ def census(tree: str, impl: str, optimizer: str = "adam") -> None:
 def main(argv):
   tree = argv[1] if len(argv) > 1 else "leaves"
   impls = argv[2].split(",") if len(argv) > 2 else ["optirs-apply", "optax"]
+  options = ExecutorOptions()
   if len(argv) > 3:
-    executor.SMALL_LEAF_POLICY, executor.LARGE_LEAF_POLICY = argv[3].split(":")
+    small, large = argv[3].split(":")
+    options = ExecutorOptions(small_leaf_policy=small, large_leaf_policy=large)
   for impl in impls:
-    census(tree, impl)
+    census(tree, impl, options)
   return 0
 
 

@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python3 benchmarks/tiling_variants.py
 
-Each variant replaces the CUDA tiling, builds a fresh step, and reports ms, % of the copy
+Each variant sets the packed and in-place kernels' CUDA tiling, builds a fresh step, and reports ms, % of the copy
 bandwidth measured in the same run, and how many copies the compiled program holds (an
 aliasing the compiler could not honour shows up as a copy).
 """
@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import optax
 
 import optirs_jax
-from optirs_jax.pallas import kernel
+from optirs_jax import ExecutorOptions, Tiling
 
 N = 1 << 28
 
@@ -41,17 +41,17 @@ def main():
   copy = jax.jit(lambda x: -x, donate_argnums=0)
   copy_s = timeit(copy, x)
   print(f"copy {copy_s * 1e3:.3f} ms, {8 * N / copy_s / 1e9:.0f} GB/s")
-  variants = {"2d r32 w4": kernel.Tiling(32, num_warps=4),
-              "2d r8 w4": kernel.Tiling(8, num_warps=4),
-              "1d 4096 w8": kernel.Tiling(32, num_warps=8, flat=True),
-              "1d 4096 w4": kernel.Tiling(32, num_warps=4, flat=True),
-              "1d 1024 w4": kernel.Tiling(8, num_warps=4, flat=True),
-              "1d 8192 w8": kernel.Tiling(64, num_warps=8, flat=True)}
+  variants = {"2d r32 w4": Tiling(32, num_warps=4),
+              "2d r8 w4": Tiling(8, num_warps=4),
+              "1d 4096 w8": Tiling(32, num_warps=8, flat=True),
+              "1d 4096 w4": Tiling(32, num_warps=4, flat=True),
+              "1d 1024 w4": Tiling(8, num_warps=4, flat=True),
+              "1d 8192 w8": Tiling(64, num_warps=8, flat=True)}
   g = {"w": jnp.full((N,), 1e-3, jnp.float32)}
   for label, tiling in [("optax", None)] + list(variants.items()):
     if tiling is not None:
-      kernel.TILINGS["cuda"] = tiling
-      tx = optirs_jax.adam(1e-3)
+      tx = optirs_jax.adam(1e-3, executor_options=ExecutorOptions(
+          small_leaf_policy="pack", large_leaf_policy="in-place", cuda_tiling=tiling))
       step = lambda p, s, gr: optirs_jax.apply(tx, gr, s, p)
     else:
       tx = optax.adam(1e-3)

@@ -4,7 +4,7 @@
 
 Times, for ``leaves`` leaves of ``size`` float32 elements: the concatenation into one
 buffer (what the kernel path does with g, m, v), and two ways back to leaves: bare slices
-(``jnp.split``, what ``optirs_jax.pallas.executor._unpack`` does) and slices feeding a
+(``jnp.split``, what ``optirs_jax.pallas.packed._unpack`` does) and slices feeding a
 multiply by an opaque 1 (tried so that XLA would merge them; it did not, see
 benchmarks/NOTES.md).
 """

@@ -1,8 +1,8 @@
 """optirs_jax: fused, Optax-compatible optimizers for JAX.
 
-Each optimizer returns an :class:`optax.GradientTransformation` that computes the same
-numbers as its optax namesake; on GPU and TPU the update runs as one Pallas kernel over
-packed leaves, on CPU a pure-jnp reference computes the same rule.
+Each optimizer returns an :class:`optax.GradientTransformationExtraArgs` that computes the
+same numbers as its optax namesake; on GPU and TPU the update runs as Pallas kernels over
+many leaves per launch, on CPU a pure-jnp reference computes the same rule.
 
 >>> import jax.numpy as jnp, optax, optirs_jax
 >>> opt = optax.chain(optax.clip_by_global_norm(1.0), optirs_jax.lamb(1e-3))
@@ -17,6 +17,7 @@ from importlib import metadata as _metadata
 from optirs_jax import flat
 from optirs_jax.apply import apply
 from optirs_jax.backends import SUPPORTED_BACKENDS, available_backends
+from optirs_jax.pallas.options import ExecutorOptions, Tiling
 from optirs_jax.transforms import (AdagradState, AdamState, RmspropState, SgdState, adagrad, adam,
                                    adamw, lamb, rmsprop, sgd)
 
@@ -26,6 +27,7 @@ except _metadata.PackageNotFoundError:  # running from a source tree
   __version__ = "0.0.0+local"
 
 __all__ = [
-    "SUPPORTED_BACKENDS", "AdagradState", "AdamState", "RmspropState", "SgdState", "adagrad",
-    "adam", "adamw", "apply", "available_backends", "flat", "lamb", "rmsprop", "sgd",
+    "SUPPORTED_BACKENDS", "AdagradState", "AdamState", "ExecutorOptions",
+    "RmspropState", "SgdState", "Tiling", "adagrad", "adam", "adamw", "apply",
+    "available_backends", "flat", "lamb", "rmsprop", "sgd",
 ]

@@ -41,7 +41,7 @@ import numpy as np
 import optax
 
 import optirs_jax
-from optirs_jax.pallas import executor
+from optirs_jax.pallas.options import LARGE_LEAF_POLICIES, SMALL_LEAF_POLICIES, ExecutorOptions
 
 # ---------------------------------------------------------------------------------- trees
 
@@ -104,37 +104,38 @@ def _torch(cls_name, **kw):
 
 
 OPTIMIZERS = {
-    "adam": Opt(28, lambda: optirs_jax.adam(1e-3), lambda: optax.adam(1e-3),
+    "adam": Opt(28, lambda **o: optirs_jax.adam(1e-3, **o), lambda: optax.adam(1e-3),
                 _torch("Adam", lr=1e-3)),
-    "adamw": Opt(28, lambda: optirs_jax.adamw(1e-3, weight_decay=1e-2),
+    "adamw": Opt(28, lambda **o: optirs_jax.adamw(1e-3, weight_decay=1e-2, **o),
                  lambda: optax.adamw(1e-3, weight_decay=1e-2),
                  _torch("AdamW", lr=1e-3, weight_decay=1e-2)),
-    "lamb": Opt(40, lambda: optirs_jax.lamb(1e-3), lambda: optax.lamb(1e-3)),
-    "sgd": Opt(20, lambda: optirs_jax.sgd(1e-3, momentum=0.9),
+    "lamb": Opt(40, lambda **o: optirs_jax.lamb(1e-3, **o), lambda: optax.lamb(1e-3)),
+    "sgd": Opt(20, lambda **o: optirs_jax.sgd(1e-3, momentum=0.9, **o),
                lambda: optax.sgd(1e-3, momentum=0.9), _torch("SGD", lr=1e-3, momentum=0.9)),
-    "rmsprop": Opt(20, lambda: optirs_jax.rmsprop(1e-3), lambda: optax.rmsprop(1e-3),
+    "rmsprop": Opt(20, lambda **o: optirs_jax.rmsprop(1e-3, **o), lambda: optax.rmsprop(1e-3),
                    _torch("RMSprop", lr=1e-3, alpha=0.9)),
-    "rmsprop_centered": Opt(28, lambda: optirs_jax.rmsprop(1e-3, centered=True),
+    "rmsprop_centered": Opt(28, lambda **o: optirs_jax.rmsprop(1e-3, centered=True, **o),
                             lambda: optax.rmsprop(1e-3, centered=True),
                             _torch("RMSprop", lr=1e-3, alpha=0.9, centered=True)),
-    "adagrad": Opt(20, lambda: optirs_jax.adagrad(1e-3), lambda: optax.adagrad(1e-3),
+    "adagrad": Opt(20, lambda **o: optirs_jax.adagrad(1e-3, **o), lambda: optax.adagrad(1e-3),
                    _torch("Adagrad", lr=1e-3)),
 }
 
 JAX_IMPLS = ("optirs-apply", "optirs-update", "optax", "optax-flatten")
 
 
-def jax_step(impl: str, opt: Opt):
-  """(transformation, step(params, state, grads) -> (params, state)) for one implementation.
+def jax_step(impl: str, opt: Opt, options: ExecutorOptions | None = None):
+  """(transformation, step(params, state, grads) -> (params, state)) for one implementation
+  (``options``: the optirs_jax executor options).
 
   The donated arguments come in the order of the outputs: JAX pairs each donated buffer
   with the first unclaimed output of its shape and dtype, so ``step(g, s, p) -> (p, s)``
   would pair the first moment with the new params and make XLA copy every state buffer.
   """
   if impl == "optirs-apply":
-    tx = opt.optirs()
+    tx = opt.optirs(executor_options=options)
     return tx, lambda p, s, g: optirs_jax.apply(tx, g, s, p)
-  tx = {"optirs-update": opt.optirs, "optax": opt.optax,
+  tx = {"optirs-update": lambda: opt.optirs(executor_options=options), "optax": opt.optax,
         "optax-flatten": lambda: optax.flatten(opt.optax())}[impl]()
 
   def step(p, s, g):
@@ -183,7 +184,7 @@ def _compile(fn, *args):
 
 
 def bench_jax(impl, opt, shapes, args):
-  tx, step = jax_step(impl, opt)
+  tx, step = jax_step(impl, opt, args.executor_options)
   grads = make_tree(shapes, 1)
   params = make_tree(shapes, 0)
   state = tx.init(params)
@@ -338,8 +339,8 @@ def meta(args, scale, copy_bw, copy_n) -> dict:
           "device": f"{dev.platform}: {dev.device_kind}", "versions": versions,
           "command": " ".join(["python -m optirs_jax.bench"] + sys.argv[1:]),
           "scale": scale, "copy_gbps": copy_bw / 1e9, "copy_elements": copy_n,
-          "small_leaf_policy": executor.SMALL_LEAF_POLICY,
-          "large_leaf_policy": executor.LARGE_LEAF_POLICY,
+          "small_leaf_policy": args.executor_options.small_leaf_policy,
+          "large_leaf_policy": args.executor_options.large_leaf_policy,
           "xla_flags": os.environ.get("XLA_FLAGS", ""),
           "timing": f"median of {args.batches} batches x {args.steps} steps, "
                     f"{args.warmup} warm-up"}
@@ -388,19 +389,20 @@ def main(argv=None) -> int:
                       help="also time K steps inside one jitted call (lax.fori_loop), which "
                            "takes the host's per-call cost out (column 'loop ms')")
   parser.add_argument("--json", default=None, help="write the report here")
-  parser.add_argument("--small-leaves", choices=executor.SMALL_LEAF_POLICIES, default=None,
+  defaults = ExecutorOptions()
+  parser.add_argument("--small-leaves", choices=SMALL_LEAF_POLICIES,
+                      default=defaults.small_leaf_policy,
                       help="what the kernel backend does with leaves too small to run in "
-                           f"place (default: {executor.SMALL_LEAF_POLICY!r}); an experiment "
-                           "knob, see benchmarks/policy_variants.sh")
-  parser.add_argument("--large-leaves", choices=executor.LARGE_LEAF_POLICIES, default=None,
+                           f"place (default: {defaults.small_leaf_policy!r}); see "
+                           "benchmarks/policy_variants.sh")
+  parser.add_argument("--large-leaves", choices=LARGE_LEAF_POLICIES,
+                      default=defaults.large_leaf_policy,
                       help="what the kernel backend does with leaves large enough to run in "
-                           f"place (default: {executor.LARGE_LEAF_POLICY!r}); 'group' takes "
+                           f"place (default: {defaults.large_leaf_policy!r}); 'group' takes "
                            "effect with --small-leaves group")
   args = parser.parse_args(argv)
-  if args.small_leaves:
-    executor.SMALL_LEAF_POLICY = args.small_leaves
-  if args.large_leaves:
-    executor.LARGE_LEAF_POLICY = args.large_leaves
+  args.executor_options = ExecutorOptions(small_leaf_policy=args.small_leaves,
+                                          large_leaf_policy=args.large_leaves)
   if args.optimizers is None:
     args.optimizers = ["adam", "lamb", "sgd"] if jax.default_backend() == "cpu" else list(
         OPTIMIZERS)

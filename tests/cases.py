@@ -52,11 +52,9 @@ def case_id(case) -> str:
   return name + ("[" + ",".join(parts) + "]" if parts else "")
 
 
-def use_leaf_policy(monkeypatch, small: str, large: str) -> None:
-  """Sets the kernel executor's small- and large-leaf policies for one test."""
-  from optirs_jax.pallas import executor
-  monkeypatch.setattr(executor, "SMALL_LEAF_POLICY", small)
-  monkeypatch.setattr(executor, "LARGE_LEAF_POLICY", large)
+def leaf_policy(small: str, large: str, **kw) -> optirs_jax.ExecutorOptions:
+  """Executor options with the given small- and large-leaf policies."""
+  return optirs_jax.ExecutorOptions(small_leaf_policy=small, large_leaf_policy=large, **kw)
 
 
 def ragged_tree(seed: int, dtype=jnp.float32, shapes=RAGGED_SHAPES):
@@ -65,17 +63,18 @@ def ragged_tree(seed: int, dtype=jnp.float32, shapes=RAGGED_SHAPES):
           for k, (name, shape) in zip(keys, shapes.items())}
 
 
-def pair(name: str, kw: dict, backend: str, lr=1e-2):
+def pair(name: str, kw: dict, backend: str, lr=1e-2, options=None):
   """(optirs_jax transformation, optax transformation) for one case."""
-  return getattr(optirs_jax, name)(lr, **kw, backend=backend), getattr(optax, name)(lr, **kw)
+  return (getattr(optirs_jax, name)(lr, **kw, backend=backend, executor_options=options),
+          getattr(optax, name)(lr, **kw))
 
 
-def pallas_matches_jnp(name: str, params) -> tuple:
-  """Asserts one ``update`` of ``name`` on the Pallas backend equals the jnp reference's on
-  ``params`` (gradients derived from them); returns ``(pallas opt, grads, ref updates,
-  ref state)`` for further checks."""
+def pallas_matches_jnp(name: str, params, options=None) -> tuple:
+  """Asserts one ``update`` of ``name`` on the Pallas backend (with ``options``) equals the
+  jnp reference's on ``params`` (gradients derived from them); returns ``(pallas opt, grads,
+  ref updates, ref state)`` for further checks."""
   grads = jax.tree.map(lambda x: 0.5 * x + 0.1, params)
-  ours = getattr(optirs_jax, name)(1e-2, backend="pallas")
+  ours = getattr(optirs_jax, name)(1e-2, backend="pallas", executor_options=options)
   ref = getattr(optirs_jax, name)(1e-2, backend="jnp")
   u, s = jax.jit(ours.update)(grads, ours.init(params), params)
   ru, rs = jax.jit(ref.update)(grads, ref.init(params), params)

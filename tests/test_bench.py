@@ -46,17 +46,12 @@ def test_an_unknown_tree_names_the_valid_ones():
 
 
 def test_loop_steps_and_policies_are_timed_and_recorded(tmp_path, standard_promotion):
-  from optirs_jax.pallas import executor
   out = tmp_path / "bench.json"
-  before = executor.SMALL_LEAF_POLICY, executor.LARGE_LEAF_POLICY
-  try:
-    assert bench.main(["--trees", "leaves-flat", "--optimizers", "adam", "--scale", "0.001",
-                       "--steps", "2", "--batches", "1", "--warmup", "1", "--no-torch",
-                       "--impls", "optirs-apply,optax", "--loop-steps", "3",
-                       "--small-leaves", "pack", "--large-leaves", "in-place",
-                       "--json", str(out)]) == 0
-  finally:
-    executor.SMALL_LEAF_POLICY, executor.LARGE_LEAF_POLICY = before
+  assert bench.main(["--trees", "leaves-flat", "--optimizers", "adam", "--scale", "0.001",
+                     "--steps", "2", "--batches", "1", "--warmup", "1", "--no-torch",
+                     "--impls", "optirs-apply,optax", "--loop-steps", "3",
+                     "--small-leaves", "pack", "--large-leaves", "in-place",
+                     "--json", str(out)]) == 0
   report = json.loads(out.read_text())
   assert (report["meta"]["small_leaf_policy"], report["meta"]["large_leaf_policy"]) == (
       "pack", "in-place")

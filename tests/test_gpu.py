@@ -29,16 +29,14 @@ POLICIES = [("pack", "in-place"), ("group", "in-place"), ("group", "group")]
 
 
 @pytest.fixture(params=POLICIES, ids=["-".join(p) for p in POLICIES])
-def leaf_policy(request, monkeypatch):
-  small, large = request.param
-  cases.use_leaf_policy(monkeypatch, small, large)
-  return request.param
+def leaf_policy(request):
+  return cases.leaf_policy(*request.param)
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_triton_matches_reference_on_large_ragged_tree(name, leaf_policy):
   kw = KW.get(name, {})
-  gpu = getattr(optirs_jax, name)(1e-3, **kw, backend="auto")
+  gpu = getattr(optirs_jax, name)(1e-3, **kw, backend="auto", executor_options=leaf_policy)
   ref = getattr(optirs_jax, name)(1e-3, **kw, backend="jnp")
   params, grads = cases.ragged_tree(0, shapes=BIG), cases.ragged_tree(1, shapes=BIG)
   s, rs = gpu.init(params), ref.init(params)
@@ -82,7 +80,7 @@ def test_bf16_on_gpu_matches_optax():
 def test_donated_step_reuses_the_donated_buffers(leaf_policy):
   """With params and state donated, the fused step allocates no new buffers for them: the
   outputs live in the donated inputs' memory (JAX may pair equal-shaped buffers either way)."""
-  opt = optirs_jax.adam(1e-3)
+  opt = optirs_jax.adam(1e-3, executor_options=leaf_policy)
   params = {"w": jnp.ones((1024, 1024))}
   state = opt.init(params)
   big = lambda p, s: [p["w"], s.mu["w"], s.nu["w"]]
@@ -98,7 +96,7 @@ def test_a_step_donated_in_output_order_compiles_without_copies(name, leaf_polic
   """Donated in the order of the outputs, a fused step on one large leaf holds no copy of
   it: the kernel reads and writes the donated buffers (benchmarks/NOTES.md, run 2). In
   the other order it held five."""
-  opt = getattr(optirs_jax, name)(1e-3)
+  opt = getattr(optirs_jax, name)(1e-3, executor_options=leaf_policy)
   params = {"w": jnp.ones((1 << 20,))}
   step = jax.jit(lambda p, s, g: optirs_jax.apply(opt, g, s, p), donate_argnums=(0, 1))
   hlo = step.lower(params, opt.init(params), params).compile().as_text()

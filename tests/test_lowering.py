@@ -97,15 +97,15 @@ def cuda_triton_calls(step, *args) -> int:
   return exp.mlir_module().count(TRITON)
 
 
-@pytest.mark.parametrize("name", ["adam", "adamw", "sgd", "rmsprop", "adagrad", "lamb"])
-def test_update_path_leaves_large_leaves_to_xla_unless_norms_are_needed(name, monkeypatch):
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_update_path_leaves_large_leaves_to_xla_unless_norms_are_needed(name):
   # "big" is exactly the in-place threshold (64 blocks of 4096); "b" is packed. On the
   # optax-contract path an elementwise rule runs "big" on the reference, which XLA fuses
   # with apply_updates; the fused apply and LAMB (per-leaf norms) run it in the kernel.
   # (The packed layout gives each its own launch, so the count shows the routing; the
   # default grouped launches would hold both in one either way.)
-  cases.use_leaf_policy(monkeypatch, "pack", "in-place")
-  opt = getattr(optirs_jax, name)(1e-3, **KWARGS.get(name, {}))
+  opt = getattr(optirs_jax, name)(1e-3, **KWARGS.get(name, {}),
+                                  executor_options=cases.leaf_policy("pack", "in-place"))
   params = {"big": jnp.ones((2048, 128)), "b": jnp.ones((7,))}
   state = opt.init(params)
 
@@ -118,11 +118,9 @@ def test_update_path_leaves_large_leaves_to_xla_unless_norms_are_needed(name, mo
   assert cuda_triton_calls(contract, params, state, params) == (2 if name == "lamb" else 1)
 
 
-def test_update_path_routing_can_be_turned_off(monkeypatch):
-  from optirs_jax.pallas import executor
-  monkeypatch.setattr(executor, "IN_PLACE_UPDATES_ON_REFERENCE", False)
-  cases.use_leaf_policy(monkeypatch, "pack", "in-place")
-  opt = optirs_jax.adam(1e-3)
+def test_update_path_routing_can_be_turned_off():
+  opt = optirs_jax.adam(1e-3, executor_options=cases.leaf_policy(
+      "pack", "in-place", updates_on_reference=False))
   params = {"big": jnp.ones((2048, 128)), "b": jnp.ones((7,))}
   assert cuda_triton_calls(lambda p, s, g: opt.update(g, s, p), params, opt.init(params),
                             params) == 2

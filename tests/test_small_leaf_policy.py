@@ -1,9 +1,9 @@
 """Every small-leaf policy of the kernel backend gives the reference's numbers.
 
-``executor.SMALL_LEAF_POLICY`` decides what happens to the leaves that are too small to
-run in place: packed into one buffer, run one launch each, or handed to the reference.
-``benchmarks/policy_variants.sh`` times the three on a GPU; here each runs in interpret
-mode, on both paths, with LAMB's per-leaf norms, and through the cuda export.
+``ExecutorOptions.small_leaf_policy`` decides what happens to the leaves that are too small
+to run in place: grouped launches, packed into one buffer, one launch each, or the
+reference. ``benchmarks/policy_variants.sh`` times them on a GPU; here each runs in
+interpret mode, on both paths, with LAMB's per-leaf norms, and through the cuda export.
 """
 
 import chex
@@ -11,17 +11,20 @@ import jax
 import pytest
 
 import optirs_jax
-from optirs_jax.pallas import executor, kernel
+from optirs_jax.pallas.options import SMALL_LEAF_POLICIES
 from tests import cases
 from tests.test_lowering import cuda_triton_calls
 
 
-@pytest.fixture(params=executor.SMALL_LEAF_POLICIES)
-def policy(request, monkeypatch):
-  cases.use_leaf_policy(monkeypatch, request.param, "in-place")
-  # Smaller blocks, so that the ragged tree has leaves on both sides of the threshold.
-  monkeypatch.setattr(executor, "SOLO_MIN_BLOCKS", 2)
-  monkeypatch.setitem(kernel.TILINGS, "interpret", kernel.Tiling(8))
+def options(policy):
+  # Blocks of 8 rows and a threshold of 2 blocks, so that the ragged tree has leaves on both
+  # sides of it.
+  return cases.leaf_policy(policy, "in-place", solo_min_blocks=2,
+                           cuda_tiling=optirs_jax.Tiling(8))
+
+
+@pytest.fixture(params=SMALL_LEAF_POLICIES)
+def policy(request):
   return request.param
 
 
@@ -37,7 +40,7 @@ def tree():
 @pytest.mark.parametrize("name", ["adam", "lamb", "sgd"])
 def test_policy_matches_reference_on_both_paths(policy, name):
   params = tree()
-  ours, grads, ru, rs = cases.pallas_matches_jnp(name, params)
+  ours, grads, ru, rs = cases.pallas_matches_jnp(name, params, options(policy))
   p, s = jax.jit(lambda g, s, p: optirs_jax.apply(ours, g, s, p))(grads, ours.init(params),
                                                                     params)
   chex.assert_trees_all_close(p, jax.tree.map(lambda a, b: a + b, params, ru), rtol=1e-6,
@@ -45,9 +48,8 @@ def test_policy_matches_reference_on_both_paths(policy, name):
   chex.assert_trees_all_close(s, rs, rtol=1e-6, atol=1e-9)
 
 
-def test_policy_changes_the_number_of_kernel_launches(policy, monkeypatch, standard_promotion):
-  monkeypatch.setitem(kernel.TILINGS, "cuda", kernel.Tiling(8))
-  opt = optirs_jax.adam(1e-3)
+def test_policy_changes_the_number_of_kernel_launches(policy, standard_promotion):
+  opt = optirs_jax.adam(1e-3, executor_options=options(policy))
   params = tree()
   launches = cuda_triton_calls(lambda p, s, g: optirs_jax.apply(opt, g, s, p), params,
                                opt.init(params), params)
@@ -59,11 +61,8 @@ def test_policy_changes_the_number_of_kernel_launches(policy, monkeypatch, stand
 
 
 @pytest.mark.parametrize("knob, valid", [
-    ("SMALL_LEAF_POLICY", "'group', 'pack', 'solo', 'reference'"),
-    ("LARGE_LEAF_POLICY", "'group', 'in-place'")])
-def test_an_unknown_policy_is_an_error_naming_the_valid_ones(knob, valid, monkeypatch):
-  monkeypatch.setattr(executor, knob, "scatter")
-  opt = optirs_jax.sgd(1e-2, backend="pallas")
-  params = cases.ragged_tree(0)
+    ("small_leaf_policy", "'group', 'pack', 'solo', 'reference'"),
+    ("large_leaf_policy", "'group', 'in-place'")])
+def test_an_unknown_policy_is_an_error_naming_the_valid_ones(knob, valid):
   with pytest.raises(ValueError, match=f"{knob}='scatter' is not one of \\({valid}\\)"):
-    opt.update(params, opt.init(params), params)
+    optirs_jax.ExecutorOptions(**{knob: "scatter"})

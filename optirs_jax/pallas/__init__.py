@@ -1,6 +1,8 @@
-"""Executors: the Pallas kernel launcher and the per-platform dispatch."""
+"""The executors: the jnp reference and the Pallas kernels (grouped, packed, in place)."""
 
-from optirs_jax.pallas.executor import KERNEL_DTYPES, execute
-from optirs_jax.pallas.kernel import NHP, TILINGS, Tiling, elementwise_call
+from optirs_jax.pallas.dispatch import KERNEL_DTYPES, execute
+from optirs_jax.pallas.op import NHP, ElementwiseOp, Hyper
+from optirs_jax.pallas.options import ExecutorOptions, Tiling
 
-__all__ = ["KERNEL_DTYPES", "NHP", "TILINGS", "Tiling", "elementwise_call", "execute"]
+__all__ = ["KERNEL_DTYPES", "NHP", "ElementwiseOp", "ExecutorOptions", "Hyper", "Tiling",
+           "execute"]

@@ -1,9 +1,11 @@
-"""The optimizers as optax GradientTransformations (one fused update each)."""
+"""The optimizers: one spec and one public function each, built by one builder."""
 
+from optirs_jax.transforms._builder import build
 from optirs_jax.transforms.adagrad import AdagradState, adagrad
-from optirs_jax.transforms.adam import AdamState, adam, adamw, lamb
+from optirs_jax.transforms.adam import AdamState, adam, adamw
+from optirs_jax.transforms.lamb import lamb
 from optirs_jax.transforms.rmsprop import RmspropState, rmsprop
 from optirs_jax.transforms.sgd import SgdState, sgd
 
-__all__ = ["AdagradState", "AdamState", "RmspropState", "SgdState", "adagrad", "adam", "adamw",
-           "lamb", "rmsprop", "sgd"]
+__all__ = ["AdagradState", "AdamState", "RmspropState", "SgdState", "adagrad", "adam",
+           "adamw", "build", "lamb", "rmsprop", "sgd"]

@@ -1,17 +1,16 @@
-"""SGD with optional (Nesterov) momentum as one fused GradientTransformation."""
+"""SGD with optional (Nesterov) momentum."""
 
 from __future__ import annotations
 
-import functools
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import optax
 
 from optirs_jax import rules
-from optirs_jax.pallas.executor import execute
-from optirs_jax.transforms import _common as c
+from optirs_jax.pallas.options import ExecutorOptions
+from optirs_jax.spec import Field, OptimizerSpec
+from optirs_jax.transforms._builder import build
 
 
 class SgdState(NamedTuple):
@@ -21,9 +20,23 @@ class SgdState(NamedTuple):
   trace: optax.Params | None  # momentum buffer in ``accumulator_dtype``; None without momentum.
 
 
+SGD = OptimizerSpec(
+    name="sgd",
+    arguments=(("learning_rate", "schedule"), ("momentum", "optional number"),
+               ("nesterov", "flag"), ("accumulator_dtype", "dtype")),
+    state=SgdState,
+    fields=(Field("trace", dtype="accumulator_dtype", when="momentum"),),
+    rule=rules.sgd_rule,
+    hyper=("momentum", "neg_lr"),
+    scalars=lambda o, count: dict(momentum=0.0 if o["momentum"] is None else o["momentum"]),
+    static=lambda o: dict(nesterov=bool(o["nesterov"]), accumulator_dtype=o["accumulator_dtype"]),
+)
+
+
 def sgd(learning_rate: optax.ScalarOrSchedule, momentum: jax.typing.ArrayLike | None = None,
         nesterov: bool = False, accumulator_dtype: Any | None = None, *,
-        backend: str = "auto") -> optax.GradientTransformation:
+        backend: str = "auto", executor_options: ExecutorOptions | None = None
+        ) -> optax.GradientTransformationExtraArgs:
   r"""Stochastic gradient descent; the same numbers as :func:`optax.sgd`.
 
   .. math::
@@ -38,6 +51,7 @@ def sgd(learning_rate: optax.ScalarOrSchedule, momentum: jax.typing.ArrayLike | 
     nesterov: use Nesterov momentum.
     accumulator_dtype: dtype of the momentum buffer; ``None`` keeps the params' dtype.
     backend: ``"auto"``, ``"jnp"`` or ``"pallas"``.
+    executor_options: the kernels' layout and launch options (:class:`~optirs_jax.ExecutorOptions`).
 
   Example:
     >>> import jax.numpy as jnp, optirs_jax
@@ -51,38 +65,4 @@ def sgd(learning_rate: optax.ScalarOrSchedule, momentum: jax.typing.ArrayLike | 
     Sutskever et al., `On the importance of initialization and momentum in deep learning
     <http://proceedings.mlr.press/v28/sutskever13.pdf>`_, 2013.
   """
-  fn = "optirs_jax.sgd"
-  c.check_number_or_schedule(fn, "learning_rate", learning_rate)
-  c.check_number(fn, "momentum", momentum, allow_none=True)
-  c.check_flag(fn, "nesterov", nesterov)
-  accumulator_dtype = c.canonical_dtype(fn, "accumulator_dtype", accumulator_dtype)
-  backend = c.check_backend(fn, backend)
-  has_trace = momentum is not None
-
-  def init_fn(params):
-    c.flatten(fn, "params", params)
-    trace = c.zeros_like(params, accumulator_dtype) if has_trace else None
-    return SgdState(count=jnp.zeros([], jnp.int32), trace=trace)
-
-  def step(updates, state, params, fused: bool):
-    g, paths, treedef = c.flatten(fn, "updates", updates)
-    trace = c.match(fn, "state.trace", state.trace, treedef, g, paths) if has_trace else None
-    if fused:
-      p = c.params_leaves(fn, params, treedef, g, paths)
-    neg_lr, cast_lr = c.learning_rate(learning_rate, state.count)
-    h = rules.Hyper(momentum=momentum if has_trace else 0.0, neg_lr=neg_lr)
-    leaves = [(g[i],) + ((trace[i],) if has_trace else ()) + ((p[i],) if fused else ())
-              for i in range(len(g))]
-    c.pallas_dtype_check(backend, leaves, paths)
-    rule = functools.partial(rules.sgd_rule, nesterov=nesterov, cast_lr=cast_lr,
-                             accumulator_dtype=accumulator_dtype)
-    if fused:
-      rule = rules.applying(rule)
-    outs, _ = execute(rule, h, rules.SGD_HYPER, leaves, backend=backend, pads=(0.0, 0.0, 0.0),
-                      aliases={1: 1, **({0: len(leaves[0]) - 1} if fused else {})}, name="sgd",
-                      fused_apply=fused)
-    new_trace = jax.tree.unflatten(treedef, [o[1] for o in outs]) if has_trace else None
-    return (jax.tree.unflatten(treedef, [o[0] for o in outs]),
-            SgdState(count=c.safe_increment(state.count), trace=new_trace))
-
-  return c.transformation(init_fn, step)
+  return build(SGD, locals())

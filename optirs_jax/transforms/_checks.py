@@ -1,5 +1,5 @@
-"""Machinery shared by the optimizer transforms: argument checks, tree checks, masks,
-learning rates and the step counter."""
+"""Argument and tree checks shared by the optimizers: each error names the bad value (and
+the leaf's key path) and lists what is valid."""
 
 from __future__ import annotations
 
@@ -10,12 +10,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from optirs_jax.backends import validate_backend
-from optirs_jax.pallas.executor import check_pallas_dtypes
-
-_INT32_MAX = np.iinfo(np.int32).max
+from optirs_jax.pallas.options import ExecutorOptions
 
 
 def check_number(fn: str, name: str, value: Any, *, allow_none: bool = False) -> None:
@@ -65,30 +62,13 @@ def check_backend(fn: str, backend: str) -> str:
     raise type(e)(f"{fn}: {e}") from None
 
 
-def safe_increment(count: jax.Array) -> jax.Array:
-  """``count + 1`` that stays at the int32 maximum instead of wrapping."""
-  return jnp.where(count < _INT32_MAX, count + 1, jnp.int32(_INT32_MAX))
-
-
-def as_float(count: jax.Array) -> jax.Array:
-  """The step count as the default float type: what optax's ``decay**count`` promotes it to
-  (float32, or float64 with ``jax_enable_x64``)."""
-  return count.astype(jax.dtypes.canonicalize_dtype(jnp.float64))
-
-
-def learning_rate(lr, count) -> tuple[Any, bool]:
-  """``(-lr at this count, cast_to_update_dtype)`` as optax's ``scale_by_learning_rate``."""
-  if callable(lr):
-    return -1 * lr(count), True
-  return -1 * lr, False
-
-
-def weight_decay_value(wd, count):
-  """The decay at this count, and whether the decay term exists at all (optax skips a
-  Python-constant zero)."""
-  if isinstance(wd, (int, float)) and not isinstance(wd, bool) and wd == 0.0:
-    return 0.0, False
-  return (wd(count) if callable(wd) else wd), True
+def check_executor_options(fn: str, options: Any) -> ExecutorOptions:
+  if options is None:
+    return ExecutorOptions()
+  if not isinstance(options, ExecutorOptions):
+    raise TypeError(f"{fn}: executor_options={options!r} must be None or an "
+                    "optirs_jax.ExecutorOptions")
+  return options
 
 
 def _describe(tree) -> str:
@@ -142,41 +122,22 @@ def mask_flags(fn: str, mask, tree, treedef) -> list[bool]:
   return [bool(f) for f in flags]
 
 
-def params_leaves(fn: str, params, treedef, ref_leaves: Sequence, paths: Sequence[str]) -> list:
-  """The params' leaves, checked against the updates; a clear error when they are missing."""
-  if params is None:
-    raise ValueError(f"{fn}: this transformation needs the params: call "
-                     "update(updates, state, params)")
-  return match(fn, "params", params, treedef, ref_leaves, paths)
+def as_float(count: jax.Array) -> jax.Array:
+  """The step count as the default float type: what optax's ``decay**count`` promotes it to
+  (float32, or float64 with ``jax_enable_x64``)."""
+  return count.astype(jax.dtypes.canonicalize_dtype(jnp.float64))
 
 
-def transformation(init_fn, step) -> optax.GradientTransformation:
-  """An optax transformation from ``step(updates, state, params, fused)``; the fused apply
-  path (``fused=True``: new params instead of updates) hangs on ``update.fused_apply`` for
-  :func:`optirs_jax.apply` to find."""
-
-  def update_fn(updates, state, params=None):
-    return step(updates, state, params, fused=False)
-
-  update_fn.fused_apply = lambda grads, state, params: step(grads, state, params, fused=True)
-  return optax.GradientTransformation(init_fn, update_fn)
+def learning_rate(lr, count) -> tuple[Any, bool]:
+  """``(-lr at this count, cast_to_update_dtype)`` as optax's ``scale_by_learning_rate``."""
+  if callable(lr):
+    return -1 * lr(count), True
+  return -1 * lr, False
 
 
-def pallas_dtype_check(backend: str, leaves: Sequence[tuple], paths: Sequence[str]) -> None:
-  if backend == "pallas":
-    check_pallas_dtypes(leaves, paths)
-
-
-def split_by(flags: Sequence[bool]) -> list[tuple[bool, list[int]]]:
-  """Indices grouped by flag value, ``True`` first, omitting empty groups."""
-  groups = [(v, [i for i, f in enumerate(flags) if f == v]) for v in (True, False)]
-  return [(v, idx) for v, idx in groups if idx]
-
-
-def zeros_like(tree, dtype=None):
-  return jax.tree.map(lambda x: jnp.zeros_like(x, dtype=dtype), tree)
-
-
-def full_like(tree, value):
-  return jax.tree.map(lambda x: jnp.full_like(x, value), tree)
-
+def weight_decay_value(wd, count):
+  """The decay at this count, and whether the decay term exists at all (optax skips a
+  Python-constant zero)."""
+  if isinstance(wd, (int, float)) and not isinstance(wd, bool) and wd == 0.0:
+    return 0.0, False
+  return (wd(count) if callable(wd) else wd), True

@@ -1,0 +1,116 @@
+"""What an executor runs: an elementwise rule over a list of leaves, described as a value.
+
+An :class:`ElementwiseOp` is everything the executors need to know about an optimizer's
+update: the rule (a jnp function on arrays of one shape), the names of the scalars it reads
+(the layout of the kernel's hyper-parameter vector), what padded lanes hold, which outputs
+may take an input's buffer, and which per-leaf norms to return. It is hashable: it is part
+of every kernel cache key, together with the :class:`~optirs_jax.pallas.options.ExecutorOptions`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+NHP = 32  # hyper-parameter vector length: a power of two, 128 bytes of f32.
+LANES = 128
+
+
+class Hyper(dict):
+  """Scalar hyper-parameters of one step, readable as attributes (``h.b1``)."""
+
+  def __getattr__(self, name: str) -> Any:
+    try:
+      return self[name]
+    except KeyError:
+      raise AttributeError(name) from None
+
+
+@dataclasses.dataclass(frozen=True)
+class ElementwiseOp:
+  """An elementwise rule and how the executors wire its operands.
+
+  Attributes:
+    rule: ``rule(h, *inputs) -> tuple of outputs``, elementwise, jnp only; hashable (a
+      module-level function or a frozen dataclass), since it keys the kernel caches.
+    hyper: the names of the scalars of ``h`` the rule reads, in the order of the kernel's
+      ``f32[NHP]`` vector.
+    pads: per input, the value padded or masked-out lanes hold; chosen so that such lanes
+      compute finite outputs and contribute nothing to a norm.
+    aliases: ``(input, output)`` positions that may share a buffer (updated in place when
+      their dtypes agree): the state and, on the fused apply, the params.
+    norm_inputs, norm_outputs: positions whose per-leaf L2 norms the executor returns.
+    name: the kernel's name in the compiled program.
+  """
+
+  rule: Callable
+  hyper: tuple[str, ...]
+  pads: tuple[float, ...]
+  aliases: tuple[tuple[int, int], ...] = ()
+  norm_inputs: tuple[int, ...] = ()
+  norm_outputs: tuple[int, ...] = ()
+  name: str = "optirs_kernel"
+
+  @property
+  def has_norms(self) -> bool:
+    return bool(self.norm_inputs or self.norm_outputs)
+
+  def in_place(self, in_dtypes: Sequence, out_dtypes: Sequence) -> dict[int, int]:
+    """``{input: output}`` of the aliases whose two dtypes agree."""
+    return {i: o for i, o in self.aliases
+            if i < len(in_dtypes) and o < len(out_dtypes) and in_dtypes[i] == out_dtypes[o]}
+
+
+def output_dtypes(op: ElementwiseOp, h: Mapping, leaves: Sequence[Sequence[jax.Array]]):
+  """The rule's output dtypes per leaf, as the reference computes them (one abstract
+  evaluation per distinct tuple of input dtypes: the rule is elementwise)."""
+  cache: dict[tuple, tuple] = {}
+  out = []
+  for leaf in leaves:
+    key = tuple(jnp.dtype(x.dtype) for x in leaf)
+    if key not in cache:
+      scalars = [jax.ShapeDtypeStruct((), dt) for dt in key]
+      results = jax.eval_shape(lambda *a: tuple(op.rule(Hyper(h), *a)), *scalars)
+      cache[key] = tuple(a.dtype for a in results)
+    out.append(cache[key])
+  return out
+
+
+def hyper_vector(h: Mapping, names: Sequence[str]) -> jax.Array:
+  """Packs the named scalars into one ``f32[NHP]`` vector (zeros after the last)."""
+  if len(names) > NHP:
+    raise ValueError(f"{len(names)=} hyper-parameters do not fit the {NHP=} vector")
+  values = [jnp.asarray(h[n], jnp.float32).reshape(()) for n in names]
+  values += [jnp.zeros((), jnp.float32)] * (NHP - len(values))
+  return jnp.stack(values)
+
+
+def read_hyper(h_ref, names: Sequence[str]) -> Hyper:
+  """The scalars of a kernel's hyper-parameter vector (a ref or an array), by name."""
+  return Hyper({name: h_ref[i] for i, name in enumerate(names)})
+
+
+def block_math(op: ElementwiseOp, h: Hyper, blocks: Sequence[jax.Array], out_dtypes: Sequence):
+  """What a kernel computes on one block: the outputs, and the blocks whose sums of squares
+  the op's norms need (inputs as read, outputs as stored).
+
+  Computes in float32 and rounds once on store (half-precision leaves included).
+  """
+  ins = [x.astype(jnp.float32) for x in blocks]
+  outs = [x.astype(dt) for x, dt in zip(op.rule(h, *ins), out_dtypes)]
+  sources = [ins[i] for i in op.norm_inputs] + [outs[i].astype(jnp.float32)
+                                                for i in op.norm_outputs]
+  return outs, sources
+
+
+def partial_sum_of_squares(x: jax.Array) -> jax.Array:
+  """A ``(1, LANES)`` row whose lanes add up to ``sum(x**2)``: lane-wise sums of a 2-D
+  block, or a 1-D block's total in lane 0."""
+  if x.ndim == 2:
+    return jnp.sum(x * x, axis=0, keepdims=True)
+  lane = jax.lax.broadcasted_iota(jnp.int32, (1, LANES), 1)
+  return jnp.where(lane == 0, jnp.sum(x * x), 0.0)

@@ -1,0 +1,126 @@
+"""How the kernel executors lay out and launch an update: a frozen value, not module state.
+
+Every optimizer takes ``executor_options=ExecutorOptions(...)``; the options are part of
+every kernel cache key, so two optimizers with different options in one program each get
+their own kernels. The defaults are what measured fastest on an H200
+(``benchmarks/NOTES.md``: "Runs 4-6" for the leaf policies, "run 2" for the tilings and for
+leaving large leaves to XLA on the update path).
+
+>>> from optirs_jax import ExecutorOptions
+>>> ExecutorOptions(small_leaf_policy="pack").tiling("cuda")
+Tiling(block_rows=32, lanes=128, num_warps=4, num_stages=1, flat=False)
+>>> ExecutorOptions(small_leaf_policy="scatter")
+Traceback (most recent call last):
+...
+ValueError: small_leaf_policy='scatter' is not one of ('group', 'pack', 'solo', 'reference')
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from optirs_jax.pallas.op import LANES
+
+SMALL_LEAF_POLICIES = ("group", "pack", "solo", "reference")
+LARGE_LEAF_POLICIES = ("group", "in-place")
+KERNEL_PLATFORMS = ("cuda", "tpu", "interpret")
+# Platforms where the grouped kernel runs (masked 1-D loads). Mosaic TPU would move every
+# operand's block for every program, so the TPU packs the leaves instead.
+GROUPED_PLATFORMS = ("cuda", "interpret")
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiling:
+  """Block geometry and launch settings of a kernel.
+
+  Attributes:
+    block_rows: rows of ``lanes`` elements per block.
+    lanes: elements per row (the TPU's lane count, 128).
+    num_warps, num_stages: Triton launch settings (ignored elsewhere).
+    flat: 1-D blocks of ``block_elems`` over the flattened buffer instead of 2-D blocks.
+  """
+
+  block_rows: int
+  lanes: int = LANES
+  num_warps: int = 4
+  num_stages: int = 1
+  flat: bool = False
+
+  def __post_init__(self):
+    for name in ("block_rows", "lanes", "num_warps", "num_stages"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"Tiling: {name}={value!r} must be a positive int")
+
+  @property
+  def block_elems(self) -> int:
+    return self.block_rows * self.lanes
+
+
+@dataclasses.dataclass(frozen=True)
+class ExecutorOptions:
+  """Layout and launch options of the Pallas executors (``backend="auto"`` or ``"pallas"``).
+
+  Attributes:
+    small_leaf_policy: what the kernels do with leaves too small to run in place (fewer than
+      ``solo_min_blocks`` blocks, or not a whole number of lanes): ``"group"`` them into a
+      few launches that each read and write many leaves in their own buffers (GPU and
+      interpret mode; the TPU packs instead), ``"pack"`` them into one buffer per dtype
+      (a concatenation in and one slice per leaf and output back), run each ``"solo"``
+      (one launch per leaf), or hand them to the ``"reference"`` (one XLA fusion per leaf).
+    large_leaf_policy: what the kernels do with leaves large enough to run in place: join
+      the grouped launches (``"group"``, when small leaves are grouped) or one launch each
+      (``"in-place"``).
+    solo_min_blocks: a leaf of at least this many blocks (and a whole number of lanes) is
+      large: it runs in place instead of being packed.
+    updates_on_reference: on the optax-contract path (``update``, no fused apply) with
+      ``backend="auto"``, hand large leaves of rules without per-leaf norms to the
+      reference, so that XLA fuses the update with ``optax.apply_updates`` (a kernel would
+      have to write the updates out for it to read back).
+    cuda_tiling, tpu_tiling: the packed and in-place kernels' geometry per platform.
+    interpret_tiling: the geometry in interpret mode; ``None`` takes ``cuda_tiling``, so
+      tests on a CPU run the GPU's layout.
+    grouped_tiling: the grouped kernel's geometry (1-D blocks).
+  """
+
+  small_leaf_policy: str = "group"
+  large_leaf_policy: str = "group"
+  solo_min_blocks: int = 64
+  updates_on_reference: bool = True
+  cuda_tiling: Tiling = Tiling(block_rows=32, num_warps=4)
+  tpu_tiling: Tiling = Tiling(block_rows=512)
+  interpret_tiling: Tiling | None = None
+  grouped_tiling: Tiling = Tiling(block_rows=8, num_warps=4, flat=True)
+
+  def __post_init__(self):
+    if self.small_leaf_policy not in SMALL_LEAF_POLICIES:
+      raise ValueError(f"small_leaf_policy={self.small_leaf_policy!r} is not one of "
+                       f"{SMALL_LEAF_POLICIES}")
+    if self.large_leaf_policy not in LARGE_LEAF_POLICIES:
+      raise ValueError(f"large_leaf_policy={self.large_leaf_policy!r} is not one of "
+                       f"{LARGE_LEAF_POLICIES}")
+    if (not isinstance(self.solo_min_blocks, int) or isinstance(self.solo_min_blocks, bool)
+        or self.solo_min_blocks < 1):
+      raise ValueError(f"solo_min_blocks={self.solo_min_blocks!r} must be a positive int")
+    if not isinstance(self.updates_on_reference, bool):
+      raise TypeError(f"updates_on_reference={self.updates_on_reference!r} must be a bool")
+    for name in ("cuda_tiling", "tpu_tiling", "interpret_tiling", "grouped_tiling"):
+      value = getattr(self, name)
+      if not isinstance(value, Tiling) and not (name == "interpret_tiling" and value is None):
+        raise TypeError(f"{name}={value!r} must be a Tiling")
+    if not self.grouped_tiling.flat:
+      raise ValueError(f"grouped_tiling={self.grouped_tiling} must have flat=True (the "
+                       "grouped kernel reads 1-D blocks)")
+
+  def tiling(self, platform: str) -> Tiling:
+    """The packed and in-place kernels' geometry on ``platform``."""
+    if platform == "interpret":
+      return self.interpret_tiling or self.cuda_tiling
+    return {"cuda": self.cuda_tiling, "tpu": self.tpu_tiling}[platform]
+
+  def groups(self, platform: str) -> bool:
+    """Whether small leaves go through grouped launches on ``platform``."""
+    return self.small_leaf_policy == "group" and platform in GROUPED_PLATFORMS
+
+
+DEFAULT_OPTIONS = ExecutorOptions()

@@ -1,0 +1,74 @@
+"""LAMB: Adam's direction, then a per-leaf trust ratio from the norms the first pass reduces."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import optax
+
+from optirs_jax import rules
+from optirs_jax.pallas.options import ExecutorOptions
+from optirs_jax.spec import OptimizerSpec, Reduction
+from optirs_jax.transforms._builder import build
+from optirs_jax.transforms.adam import ADAM_FIELDS, ADAM_HYPER, AdamState, adam_scalars
+
+LAMB = OptimizerSpec(
+    name="lamb",
+    arguments=(("learning_rate", "schedule"), ("b1", "number"), ("b2", "number"),
+               ("eps", "number"), ("eps_root", "number"), ("weight_decay", "schedule"),
+               ("mask", "mask")),
+    state=AdamState,
+    fields=ADAM_FIELDS,
+    rule=rules.adam_rule,
+    hyper=ADAM_HYPER,
+    scalars=adam_scalars,
+    static=lambda o: dict(nesterov=False, scale=False, mu_dtype=None),
+    weight_decay=True,
+    # ||p|| and ||r|| per leaf, then u = -lr * r * ||p|| / ||r||.
+    reduction=Reduction(inputs=("p",), outputs=("u",), finish=rules.lamb_trust_ratio),
+)
+
+
+def lamb(learning_rate: optax.ScalarOrSchedule, b1: jax.typing.ArrayLike = 0.9,
+         b2: jax.typing.ArrayLike = 0.999, eps: jax.typing.ArrayLike = 1e-6,
+         eps_root: jax.typing.ArrayLike = 0.0, weight_decay: optax.ScalarOrSchedule = 0.0,
+         mask: Any = None, *, backend: str = "auto",
+         executor_options: ExecutorOptions | None = None
+         ) -> optax.GradientTransformationExtraArgs:
+  r"""LAMB: Adam with a layer-wise trust ratio; the same numbers as :func:`optax.lamb`.
+
+  .. math::
+    \begin{align*}
+      r_t &= \hat m_t / (\sqrt{\hat v_t + \bar\epsilon} + \epsilon) + \lambda p_{t-1} \\
+      u_t &= -\eta_t\, \frac{\|p_{t-1}\|}{\|r_t\|}\, r_t
+      \quad (\text{ratio } 1 \text{ where either norm is } 0)
+    \end{align*}
+
+  The norms are per leaf. On the Pallas backend the first pass writes the moments and
+  ``r`` and, per block, partial sums of squares of ``p`` and ``r``; a segment sum gives the
+  per-leaf norms and a second elementwise pass applies the ratio.
+
+  Args:
+    learning_rate, b1, b2, eps, eps_root, backend, executor_options: as in
+      :func:`~optirs_jax.adam`.
+    weight_decay: the decay :math:`\lambda` (a number or a schedule).
+    mask: where the decay applies (the trust ratio applies to every leaf).
+
+  Returns:
+    An :class:`optax.GradientTransformationExtraArgs` with state
+    :class:`~optirs_jax.AdamState`.
+
+  Example:
+    >>> import jax.numpy as jnp, optirs_jax
+    >>> params = {"w": jnp.array([3.0, 4.0])}
+    >>> opt = optirs_jax.lamb(1e-2)
+    >>> updates, _ = opt.update({"w": jnp.array([1.0, 0.0])}, opt.init(params), params)
+    >>> updates["w"]
+    Array([-0.05, -0.  ], dtype=float32)
+
+  References:
+    You et al., `Large Batch Optimization for Deep Learning: Training BERT in 76 minutes
+    <https://arxiv.org/abs/1904.00962>`_, 2020.
+  """
+  return build(LAMB, locals())
