@@ -18,8 +18,8 @@ from optirs_jax import flat
 from optirs_jax.apply import apply
 from optirs_jax.backends import SUPPORTED_BACKENDS, available_backends
 from optirs_jax.pallas.options import ExecutorOptions, Tiling
-from optirs_jax.transforms import (AdagradState, AdamState, RmspropState, SgdState, adagrad, adam,
-                                   adamw, lamb, rmsprop, sgd)
+from optirs_jax.transforms import (AdagradState, AdamState, LionState, RmspropState, SgdState,
+                                   adagrad, adam, adamw, lamb, lion, rmsprop, sgd)
 
 try:
   __version__ = _metadata.version("optirs_jax")
@@ -27,7 +27,7 @@ except _metadata.PackageNotFoundError:  # running from a source tree
   __version__ = "0.0.0+local"
 
 __all__ = [
-    "SUPPORTED_BACKENDS", "AdagradState", "AdamState", "ExecutorOptions",
+    "SUPPORTED_BACKENDS", "AdagradState", "AdamState", "ExecutorOptions", "LionState",
     "RmspropState", "SgdState", "Tiling", "adagrad", "adam", "adamw", "apply",
-    "available_backends", "flat", "lamb", "rmsprop", "sgd",
+    "available_backends", "flat", "lamb", "lion", "rmsprop", "sgd",
 ]

@@ -110,6 +110,7 @@ OPTIMIZERS = {
                  lambda: optax.adamw(1e-3, weight_decay=1e-2),
                  _torch("AdamW", lr=1e-3, weight_decay=1e-2)),
     "lamb": Opt(40, lambda **o: optirs_jax.lamb(1e-3, **o), lambda: optax.lamb(1e-3)),
+    "lion": Opt(20, lambda **o: optirs_jax.lion(1e-4, **o), lambda: optax.lion(1e-4)),
     "sgd": Opt(20, lambda **o: optirs_jax.sgd(1e-3, momentum=0.9, **o),
                lambda: optax.sgd(1e-3, momentum=0.9), _torch("SGD", lr=1e-3, momentum=0.9)),
     "rmsprop": Opt(20, lambda **o: optirs_jax.rmsprop(1e-3, **o), lambda: optax.rmsprop(1e-3),

@@ -12,7 +12,7 @@ leaf's params or ``None`` where they are not read, and ``cast_lr`` says whether 
 learning rate came from a schedule (optax then casts it to the update's dtype). The order
 of operations follows optax 0.2.8 exactly (``scale_by_adam``, ``add_decayed_weights``,
 ``scale_by_learning_rate``, ``trace``, ``scale_by_rms``, ``scale_by_stddev``,
-``scale_by_rss``), which is what makes float32 results bit-identical on
+``scale_by_rss``, ``scale_by_lion``), which is what makes float32 results bit-identical on
 the reference.
 """
 
@@ -144,3 +144,17 @@ def adagrad_rule(h, g, *, p, sum_of_squares, cast_lr: bool):
   new_s = abs_sq(g) + sum_of_squares
   inv = jnp.where(new_s > 0, jax.lax.rsqrt(new_s + h.eps), 0.0)
   return scale_lr(h, inv * g, cast_lr), new_s
+
+
+def lion_rule(h, g, *, p, mu, decay: bool, cast_lr: bool, mu_dtype=None):
+  r"""Lion: the sign of an interpolation of the gradient and the momentum.
+
+  .. math::
+    u = -\eta\,(\mathrm{sign}((1-\beta_1) g + \beta_1 m) + \lambda p),\qquad
+    m \leftarrow (1-\beta_2) g + \beta_2 m
+  """
+  u = jnp.sign(h.c1 * g + h.b1 * mu)
+  new_mu = _cast(_ema(h.b2, h.c2, g, mu), mu_dtype)
+  if decay:
+    u = u + h.wd * p
+  return scale_lr(h, u, cast_lr), new_mu

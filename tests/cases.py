@@ -43,6 +43,10 @@ CASES = [
     ("lamb", {"weight_decay": 0.01, "mask": {"one": False, "seven": True, "forty_two": True,
                                              "thousand": False, "cube": True, "scalar": False,
                                              "block": True, "rows": True}}),
+    ("lion", {}),
+    ("lion", {"b1": 0.8, "b2": 0.95, "weight_decay": 0.0}),
+    ("lion", {"mu_dtype": jnp.float32, "weight_decay": optax.linear_schedule(0.1, 0.0, 50)}),
+    ("lion", {"weight_decay": 0.1, "mask": lambda p: jax.tree.map(lambda x: x.ndim > 1, p)}),
 ]
 
 

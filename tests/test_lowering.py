@@ -17,7 +17,7 @@ import optirs_jax
 from tests import cases
 
 TRITON = "__gpu$xla.gpu.triton"
-OPTIMIZERS = ["adam", "adamw", "lamb", "sgd", "rmsprop", "adagrad"]
+OPTIMIZERS = ["adam", "adamw", "lamb", "sgd", "rmsprop", "adagrad", "lion"]
 KWARGS = {"sgd": {"momentum": 0.9}, "rmsprop": {"momentum": 0.9, "centered": True}}
 
 

@@ -23,11 +23,12 @@ UNDER_TEST = [
     ("adam", {"learning_rate": 1e-1}),
     ("adamw", {"learning_rate": 1e-1}),
     ("lamb", {"learning_rate": 1e-3}),
+    ("lion", {"learning_rate": 1e-2, "weight_decay": 1e-4}),
     ("rmsprop", {"learning_rate": 5e-3}),
     ("rmsprop", {"learning_rate": 5e-3, "momentum": 0.9}),
     ("sgd", {"learning_rate": 1e-3, "momentum": 0.9}),
 ]
-NO_COMPLEX = ()  # optimizers without complex support (optax skips them)
+NO_COMPLEX = ("lion",)  # as in optax: sign() has no complex meaning
 IDS = [f"{n}-{'-'.join(f'{k}={v}' for k, v in kw.items())}" for n, kw in UNDER_TEST]
 
 
@@ -105,7 +106,7 @@ def test_optimizers_can_be_wrapped_in_inject_hyperparams(name, kw, standard_prom
 
 @pytest.mark.parametrize("state_dtype", ["bfloat16", "float32", "complex64", None])
 @pytest.mark.parametrize("params_dtype", ["bfloat16", "float32", "complex64", None])
-@pytest.mark.parametrize("name", ["sgd_mom", "adam", "adamw"])
+@pytest.mark.parametrize("name", ["sgd_mom", "adam", "adamw", "lion"])
 def test_explicit_dtype(name, params_dtype, state_dtype):
   if name == "sgd_mom":
     opt, field = optirs_jax.sgd(0.1, momentum=0.9, accumulator_dtype=state_dtype), "trace"

@@ -61,7 +61,7 @@ def test_hundred_step_trajectory_matches_optax(case, backend):
   assert int(state.count) == 100
 
 
-@pytest.mark.parametrize("name", ["adam", "sgd", "rmsprop", "adagrad", "lamb"])
+@pytest.mark.parametrize("name", ["adam", "sgd", "rmsprop", "adagrad", "lamb", "lion"])
 def test_state_matches_optax_moments(name):
   """The moments themselves, not only the updates, equal optax's after several steps."""
   ours, ref = cases.pair(name, {"momentum": 0.9} if name in ("sgd", "rmsprop") else {}, "pallas")
@@ -75,7 +75,8 @@ def test_state_matches_optax_moments(name):
            "lamb": lambda: [(s.mu, rs[0].mu), (s.nu, rs[0].nu)],
            "sgd": lambda: [(s.trace, rs[0].trace)],
            "rmsprop": lambda: [(s.nu, rs[0].nu), (s.trace, rs[2].trace)],
-           "adagrad": lambda: [(s.sum_of_squares, rs[0].sum_of_squares)]}[name]()
+           "adagrad": lambda: [(s.sum_of_squares, rs[0].sum_of_squares)],
+           "lion": lambda: [(s.mu, rs[0].mu)]}[name]()
   # Bit-identical but for the last ulp or two of a multiply-add XLA contracts into an FMA
   # in one program and not in the other (RMSprop's trace in the grouped kernel's interpret
   # mode: up to 2e-7 relative after four steps).
