@@ -2,8 +2,8 @@
 
 A model with thousands of small leaves makes a step handle thousands of arrays: optax
 launches thousands of kernels, packing the leaves into one buffer per step costs about as
-much, and on an H200 the host's work per call of a 2000-leaf step (71 of 73 ms) bounds it
-whatever the optimizer (``benchmarks/NOTES.md``). Keeping the parameters flat between
+much, and the host's work per call of such a step bounds it whatever the optimizer
+(``benchmarks/NOTES.md`` has the measurements). Keeping the parameters flat between
 steps removes all three: the model reads its weights as views of the buffer
 (:meth:`FlatLayout.unravel` inside the loss), ``jax.grad`` of such a loss *is* a flat
 buffer, and the optimizer sees one leaf per dtype, which the kernel updates in place.
@@ -16,11 +16,10 @@ step on the tree. LAMB's trust ratio is per leaf: on a flat buffer it would be o
 for the whole buffer, a different optimizer -- keep LAMB on the tree. Masks (``mask=``)
 see the buffers, not the leaves.
 
-Measured on one H200 (``benchmarks/NOTES.md``, run 2): Adam on the 2000 x 16K-leaf tree's
-32.8M parameters as one buffer, 0.251 ms per step (94% of the copy bandwidth), against 61 ms
-for the same optimizer packing the 2000 leaves every step (run 3) and 73 ms with the
-grouped kernel (run 5). What reading the weights as
-views costs the model's own forward and backward passes is not measured here.
+``benchmarks/NOTES.md`` compares the optimizer on the 2000 x 16K-leaf tree's parameters
+as one buffer (the bench's ``leaves-flat`` tree) with the same tree leaf by leaf. What
+reading the weights as views costs the model's own forward and backward passes is not
+measured there.
 
 >>> import jax, jax.numpy as jnp, optirs_jax
 >>> params = {"w": jnp.ones((3, 4)), "b": jnp.zeros(4), "h": jnp.ones(2, jnp.bfloat16)}

@@ -9,9 +9,8 @@
   needs float32 accuracy.
 * :func:`gemm` runs ``lax.dot_general`` in the chosen input dtype with
   ``preferred_element_type=float32``: on an NVIDIA GPU, XLA lowers bf16/fp16/fp8 products to
-  tensor-core kernels (cuBLAS/cuBLASLt). Measured on one H200 (2026-12-02, jax 0.11.2,
-  8192^3, ``benchmarks/gemm_tflops.py``, ``benchmarks/results/2026-12-02-h200-gemm.txt``):
-  fp32 51.5, tf32 357, fp16 651, bf16 670, fp8 855 TFLOP/s -- bf16 13x float32.
+  tensor-core kernels (cuBLAS/cuBLASLt); ``benchmarks/gemm_tflops.py`` measures each dtype's
+  throughput (results and dates in ``benchmarks/NOTES.md`` and ``benchmarks/results/``).
 
 Sources: NVIDIA cuBLAS and "Matrix Multiplication Background" user guides (dimension
 multiples for tensor cores); Cloud TPU performance guide (128-lane tiles).
