@@ -85,12 +85,15 @@ def lamb_trust_ratio(h, u, p, p_norm, u_norm, *, cast_lr: bool):
   sums reduced on the device on Pallas); the arithmetic is optax's
   ``scale_by_trust_ratio`` followed by ``scale_by_learning_rate``.
   """
-  p_norm = p_norm.astype(p.dtype)
-  u_norm = u_norm.astype(p.dtype)
-  trust_ratio = 1.0 * p_norm / (u_norm + 0.0)
-  zero_norm = jnp.logical_or(p_norm == 0.0, u_norm == 0.0)
-  safe_ratio = jnp.where(zero_norm, jnp.array(1.0, dtype=p.dtype), trust_ratio)
-  return scale_lr(h, u * safe_ratio, cast_lr)
+  # Each norm in its array's dtype, promoted as optax promotes them (params and updates of
+  # different dtypes give an update of the wider one).
+  with jax.numpy_dtype_promotion("standard"):
+    p_norm = p_norm.astype(p.dtype)
+    u_norm = u_norm.astype(u.dtype)
+    trust_ratio = 1.0 * p_norm / (u_norm + 0.0)
+    zero_norm = jnp.logical_or(p_norm == 0.0, u_norm == 0.0)
+    safe_ratio = jnp.where(zero_norm, jnp.array(1.0, dtype=p.dtype), trust_ratio)
+    return scale_lr(h, u * safe_ratio, cast_lr)
 
 
 def sgd_rule(h, g, *, p, trace=None, nesterov: bool, cast_lr: bool, accumulator_dtype=None):

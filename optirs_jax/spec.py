@@ -27,7 +27,12 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+
+from optirs_jax.dtypes import common, widened
+from optirs_jax.rounding import round_with_key
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,8 +121,29 @@ class OptimizerSpec:
 class BoundRule:
   """A spec's rule with its wiring and static options bound: ``(h, *inputs) -> outputs``.
 
-  Hashable (it keys the kernel caches). With ``apply`` the first output is the new params
-  ``p + u`` in the params' dtype, as :func:`optax.apply_updates` computes them.
+  Inputs are ``(g, *fields, [p], [p_low])``, outputs ``(u, *fields, [master])``. Hashable
+  (it keys the kernel caches). Around the rule:
+
+  * inputs of mixed dtypes promote op by op as under JAX's standard promotion (as in
+    optax), whatever ``jax_numpy_dtype_promotion`` says; a kernel (``compute_dtype``)
+    widens every input to at least that dtype first. Each new state field is cast back
+    to its input's dtype, so state dtypes never drift;
+  * ``wide_grads``: ``g`` is read in float32 or wider (for master weights: what their
+    update path gives the inner optimizer);
+  * ``unscale``: ``g`` is multiplied by ``h.inv_scale`` first (a loss scale's inverse; the
+    product in float32 or wider);
+  * ``apply``: the first output is the new params ``p + u`` in the params' dtype, as
+    :func:`optax.apply_updates` computes them;
+  * ``master``: ``p`` is a float32 master copy; the outputs are the low-precision params
+    (the new master cast to ``p_low``'s dtype), the fields, then the new master;
+  * ``guard``: where ``h.finite`` is 0 every output keeps its input's value (a zero update
+    on the update path): a skipped step;
+  * ``rounding``: bfloat16 state is rounded stochastically (:mod:`optirs_jax.rounding`),
+    keyed by the seed (``h.seed_lo``, ``h.seed_hi``), the step count (``h.count_lo``,
+    ``h.count_hi``), the output and the ``index`` of each element in its leaf;
+    ``param_rounding`` likewise for the new params of ``apply`` and ``master``, with
+    ``h.pseed_lo``, ``h.pseed_hi``. The rule then computes in float32 or wider (on every
+    executor), and each result is rounded once.
   """
 
   fn: Callable
@@ -125,11 +151,61 @@ class BoundRule:
   with_params: bool
   static: tuple[tuple[str, Any], ...]
   apply: bool = False
+  master: bool = False
+  unscale: bool = False
+  guard: bool = False
+  wide_grads: bool = False
+  rounding: bool = False
+  param_rounding: bool = False
 
-  def __call__(self, h, g, *rest):
-    state = dict(zip(self.fields, rest))
-    p = rest[len(self.fields)] if self.with_params else None
-    u, *new_state = self.fn(h, g, p=p, **state, **dict(self.static))
-    if self.apply:
-      u = (p + u).astype(p.dtype)
-    return (u, *new_state)
+  @property
+  def indexed(self) -> bool:
+    """Whether the rule needs each element's index in its leaf (``index=``)."""
+    return self.rounding or self.param_rounding
+
+  def __call__(self, h, g, *rest, index=None, compute_dtype=None):
+    with jax.numpy_dtype_promotion("standard"):
+      return self._call(h, g, *rest, index=index, compute_dtype=compute_dtype)
+
+  def _call(self, h, g, *rest, index, compute_dtype):
+    n = len(self.fields)
+    state, extra = rest[:n], rest[n:]
+    if self.indexed:  # rounding stochastically needs the unrounded float32 result
+      compute_dtype = jnp.float32
+    if self.wide_grads:
+      g = g.astype(widened(g.dtype))
+    if self.unscale:
+      g = g.astype(widened(g.dtype))
+      g = g * jnp.asarray(h.inv_scale, g.dtype)
+    if compute_dtype is not None:  # a kernel: everything in (at least) compute_dtype
+      to = common(g, *state, *extra, compute_dtype)
+      widen = lambda x: x if x.dtype == to else x.astype(to)
+    else:  # the reference: mixed dtypes promote op by op, exactly as optax's would
+      widen = lambda x: x
+    p = widen(extra[0]) if self.with_params else None
+    u, *new_state = self.fn(h, widen(g), p=p, **dict(zip(self.fields, map(widen, state))),
+                            **dict(self.static))
+
+    def cast(x, dtype, salt, seed):
+      if seed is None:
+        return x.astype(dtype)
+      return round_with_key(x, dtype, (*seed, h.count_lo, h.count_hi), salt, index)
+
+    state_seed = (h.seed_lo, h.seed_hi) if self.rounding else None
+    param_seed = (h.pseed_lo, h.pseed_hi) if self.param_rounding else None
+    new_state = [cast(x, s.dtype, k + 1, state_seed)
+                 for k, (x, s) in enumerate(zip(new_state, state))]
+    tail = []
+    if self.master:
+      new_master = (p + u).astype(extra[0].dtype)
+      u = cast(new_master, extra[1].dtype, 0, param_seed)
+      tail = [new_master]
+    elif self.apply:
+      u = cast(p + u, extra[0].dtype, 0, param_seed)
+    if self.guard:
+      finite = h.finite > 0
+      keep = extra[-1] if (self.apply or self.master) else jnp.zeros_like(u)
+      u = jnp.where(finite, u, keep)
+      new_state = [jnp.where(finite, x, s) for x, s in zip(new_state, state)]
+      tail = [jnp.where(finite, x, extra[0]) for x in tail]
+    return (u, *new_state, *tail)

@@ -34,3 +34,4 @@ def standard_promotion():
   """For tests whose optax reference itself mixes dtypes (e.g. mu_dtype != params dtype)."""
   with jax.numpy_dtype_promotion("standard"):
     yield
+

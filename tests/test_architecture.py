@@ -20,7 +20,7 @@ def layer(module: str) -> int:
     return 0
   if len(parts) > 1 and parts[1] == "pallas":
     return 1
-  if len(parts) > 1 and parts[1] in ("spec", "rules", "backends"):
+  if len(parts) > 1 and parts[1] in ("spec", "rules", "rounding", "dtypes", "backends"):
     return 2
   if len(parts) > 1 and parts[1] == "transforms":
     return 3

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from optirs_jax.pallas.grouped import grouped_call
-from optirs_jax.pallas.op import ElementwiseOp, Hyper, hyper_vector, output_dtypes
+from optirs_jax.pallas.op import ElementwiseOp, Hyper, call_rule, hyper_vector, output_dtypes
 from optirs_jax.pallas.options import DEFAULT_OPTIONS, ExecutorOptions
 from optirs_jax.pallas.packed import run_packed
 from optirs_jax.planning.layout import (MAX_GROUPED_LEAF_ELEMENTS, plan_grouped_calls,
@@ -47,7 +47,9 @@ def norm_dtype(x: jax.Array):
 def reference(op: ElementwiseOp, h: Mapping, leaves: Sequence[Leaf]):
   """The jnp reference: the rule on each leaf, norms by ``jnp.linalg.norm``."""
   h = Hyper(h)
-  outs = [tuple(op.rule(h, *leaf)) for leaf in leaves]
+  index = lambda x: jnp.arange(x.size, dtype=jnp.uint32).reshape(x.shape)
+  outs = [tuple(call_rule(op, h, leaf, index(leaf[0]) if op.indexed else None))
+          for leaf in leaves]
   if not op.has_norms:
     return outs, None
   norms = []
@@ -57,7 +59,8 @@ def reference(op: ElementwiseOp, h: Mapping, leaves: Sequence[Leaf]):
   return outs, norms
 
 
-def _route(leaf: Leaf, platform: str, options: ExecutorOptions, large_on_reference: bool) -> str:
+def _route(op: ElementwiseOp, leaf: Leaf, platform: str, options: ExecutorOptions,
+           large_on_reference: bool) -> str:
   """``"reference"``, ``"group"`` or ``"packed"`` (the packed or in-place layout)."""
   tiling = options.tiling(platform)
   if not all(x.dtype in KERNEL_DTYPES[platform] for x in leaf) or leaf[0].size == 0:
@@ -71,12 +74,18 @@ def _route(leaf: Leaf, platform: str, options: ExecutorOptions, large_on_referen
     return "group" if groups and options.large_leaf_policy == "group" and fits else "packed"
   if options.small_leaf_policy == "reference":  # a leaf the default plan would pack
     return "reference"
-  return "group" if groups else "packed"
+  if groups:
+    return "group"
+  # An indexed op needs each element's index in its leaf: a leaf packed with others (not in
+  # place under the "solo" policy either) runs on the reference instead.
+  solo = options.small_leaf_policy == "solo" and runs_in_place(
+      leaf[0].size, solo_min_elements=tiling.block_elems, solo_multiple=tiling.lanes)
+  return "reference" if op.indexed and not solo else "packed"
 
 
 def _kernels(op: ElementwiseOp, h: Mapping, leaves: Sequence[Leaf], platform: str,
              options: ExecutorOptions, large_on_reference: bool = False):
-  routes = [_route(leaf, platform, options, large_on_reference) for leaf in leaves]
+  routes = [_route(op, leaf, platform, options, large_on_reference) for leaf in leaves]
   outs: list = [None] * len(leaves)
   norms: list = [None] * len(leaves)
   picked = lambda route: [i for i, r in enumerate(routes) if r == route]
@@ -91,10 +100,14 @@ def _kernels(op: ElementwiseOp, h: Mapping, leaves: Sequence[Leaf], platform: st
   out_dtypes = output_dtypes(op, h, leaves)
 
   def set_norms(members, partials, owner):
+    # Each norm is rounded to its array's dtype, as jnp.linalg.norm of that array would be.
     sums = [jax.ops.segment_sum(part, jnp.asarray(owner), num_segments=len(members),
                                 indices_are_sorted=True) for part in partials]
     for j, i in enumerate(members):
-      norms[i] = tuple(jnp.sqrt(s[j]) for s in sums)
+      dtypes = ([leaves[i][k].dtype for k in op.norm_inputs]
+                + [out_dtypes[i][k] for k in op.norm_outputs])
+      norms[i] = tuple(jnp.sqrt(s[j]).astype(dt).astype(norm_dtype(leaves[i][0]))
+                       for s, dt in zip(sums, dtypes))
 
   if g_idx := picked("group"):
     tiling = options.grouped_tiling

@@ -52,7 +52,8 @@ def _body(h_ref, *refs, op: ElementwiseOp, call: GroupedCall, n_in: int, n_out: 
       ins = [pltriton.load(r.at[idx], mask=mask, other=jnp.asarray(pad, r.dtype))
              for r, pad in zip(in_refs[k * n_in:(k + 1) * n_in], op.pads)]
       outs = out_refs[k * n_out:(k + 1) * n_out]
-      results, sources = block_math(op, h, ins, [r.dtype for r in outs])
+      results, sources = block_math(op, h, ins, [r.dtype for r in outs],
+                                    idx.astype(jnp.uint32) if op.indexed else None)
       for r, y in zip(outs, results):
         pltriton.store(r.at[idx], y, mask=mask)
       for r, x in zip(norm_refs, sources):

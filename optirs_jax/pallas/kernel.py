@@ -15,6 +15,7 @@ Mosaic GPU), Mosaic on TPU (hyper-parameters in SMEM), interpret mode anywhere e
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Mapping, Sequence
 
 import jax
@@ -37,11 +38,24 @@ def compiler_params(platform: str, tiling: Tiling):
   return None
 
 
+def block_index(block_shape, start=0) -> jax.Array:
+  """The ``uint32`` index in its buffer of each element of the block at ``start`` (in
+  elements) of a row-major buffer whose blocks are ``block_shape``."""
+  flat = jax.lax.broadcasted_iota(jnp.uint32, block_shape, 0)
+  if len(block_shape) == 2:
+    flat = flat * block_shape[1] + jax.lax.broadcasted_iota(jnp.uint32, block_shape, 1)
+  return flat + jnp.asarray(start).astype(jnp.uint32)
+
+
 def _body(h_ref, *refs, op: ElementwiseOp, n_in: int, n_out: int):
   # inputs: h_ref, n_in data blocks; outputs: n_out data blocks, then partial norms.
   in_refs, out_refs, norm_refs = refs[:n_in], refs[n_in:n_in + n_out], refs[n_in + n_out:]
+  shape = in_refs[0].shape
+  index = None
+  if op.indexed:  # blocks are whole rows (2-D) or a run of the flat buffer (1-D)
+    index = block_index(shape, pl.program_id(0) * math.prod(shape))
   outs, sources = block_math(op, read_hyper(h_ref, op.hyper), [r[...] for r in in_refs],
-                             [r.dtype for r in out_refs])
+                             [r.dtype for r in out_refs], index)
   for r, x in zip(out_refs, outs):
     r[...] = x
   for r, x in zip(norm_refs, sources):
@@ -87,7 +101,7 @@ def _call(op, hvec, inputs, out_dtypes, block_shape, *, platform, tiling, aliase
   rows = inputs[0].shape[0]
   num_blocks, tail_rows = divmod(rows, block_shape[0])
   if num_blocks == 0:
-    return _tail(op, hvec, inputs, out_dtypes)
+    return _tail(op, hvec, inputs, out_dtypes, 0)
   block = pl.BlockSpec(block_shape, lambda i: (i,) + (0,) * (len(block_shape) - 1))
   norm_block = pl.BlockSpec((None, 1, tiling.lanes), lambda i: (i, 0, 0))
   if platform == "tpu":
@@ -113,14 +127,16 @@ def _call(op, hvec, inputs, out_dtypes, block_shape, *, platform, tiling, aliase
   if not tail_rows:
     return results
   start = num_blocks * block_shape[0]
-  tail = _tail(op, hvec, [x[start:] for x in inputs], out_dtypes)
+  tail = _tail(op, hvec, [x[start:] for x in inputs], out_dtypes,
+               start * math.prod(inputs[0].shape[1:]))
   n_out = len(out_dtypes)
   data = [y.at[start:].set(t) for y, t in zip(results[:n_out], tail[:n_out])]
   partials = [jnp.concatenate([p, t]) for p, t in zip(results[n_out:], tail[n_out:])]
   return tuple(data + partials)
 
 
-def _tail(op, hvec, inputs, out_dtypes):
+def _tail(op, hvec, inputs, out_dtypes, start):
   """The kernel's math on a partial block, in jnp (one fused XLA op on a few rows)."""
-  outs, sources = block_math(op, read_hyper(hvec, op.hyper), inputs, out_dtypes)
+  index = block_index(inputs[0].shape, start) if op.indexed else None
+  outs, sources = block_math(op, read_hyper(hvec, op.hyper), inputs, out_dtypes, index)
   return tuple(outs) + tuple(partial_sum_of_squares(x)[None] for x in sources)

@@ -35,8 +35,10 @@ class ElementwiseOp:
   """An elementwise rule and how the executors wire its operands.
 
   Attributes:
-    rule: ``rule(h, *inputs) -> tuple of outputs``, elementwise, jnp only; hashable (a
-      module-level function or a frozen dataclass), since it keys the kernel caches.
+    rule: ``rule(h, *inputs, compute_dtype=None[, index=...]) -> tuple of outputs`` in their
+      final dtypes, elementwise, jnp only; hashable (a module-level function or a frozen
+      dataclass), since it keys the kernel caches. Kernels pass
+      ``compute_dtype=jnp.float32``: narrower inputs are computed in float32 and rounded once.
     hyper: the names of the scalars of ``h`` the rule reads, in the order of the kernel's
       ``f32[NHP]`` vector.
     pads: per input, the value padded or masked-out lanes hold; chosen so that such lanes
@@ -45,6 +47,8 @@ class ElementwiseOp:
       their dtypes agree): the state and, on the fused apply, the params.
     norm_inputs, norm_outputs: positions whose per-leaf L2 norms the executor returns.
     name: the kernel's name in the compiled program.
+    indexed: the rule takes ``index=``: each element's index in its leaf (``uint32``, the
+      shape of the block), for counter-based random numbers.
   """
 
   rule: Callable
@@ -54,6 +58,7 @@ class ElementwiseOp:
   norm_inputs: tuple[int, ...] = ()
   norm_outputs: tuple[int, ...] = ()
   name: str = "optirs_kernel"
+  indexed: bool = False
 
   @property
   def has_norms(self) -> bool:
@@ -74,10 +79,19 @@ def output_dtypes(op: ElementwiseOp, h: Mapping, leaves: Sequence[Sequence[jax.A
     key = tuple(jnp.dtype(x.dtype) for x in leaf)
     if key not in cache:
       scalars = [jax.ShapeDtypeStruct((), dt) for dt in key]
-      results = jax.eval_shape(lambda *a: tuple(op.rule(Hyper(h), *a)), *scalars)
+      results = jax.eval_shape(lambda *a: tuple(call_rule(op, Hyper(h), a, jnp.uint32(0))),
+                               *scalars)
       cache[key] = tuple(a.dtype for a in results)
     out.append(cache[key])
   return out
+
+
+def call_rule(op: ElementwiseOp, h, inputs: Sequence[jax.Array], index=None,
+              compute_dtype=None):
+  """The op's rule on ``inputs`` (with ``index`` when the op is indexed)."""
+  if op.indexed:
+    return op.rule(h, *inputs, index=index, compute_dtype=compute_dtype)
+  return op.rule(h, *inputs, compute_dtype=compute_dtype)
 
 
 def hyper_vector(h: Mapping, names: Sequence[str]) -> jax.Array:
@@ -94,14 +108,17 @@ def read_hyper(h_ref, names: Sequence[str]) -> Hyper:
   return Hyper({name: h_ref[i] for i, name in enumerate(names)})
 
 
-def block_math(op: ElementwiseOp, h: Hyper, blocks: Sequence[jax.Array], out_dtypes: Sequence):
+def block_math(op: ElementwiseOp, h: Hyper, blocks: Sequence[jax.Array], out_dtypes: Sequence,
+               index=None):
   """What a kernel computes on one block: the outputs, and the blocks whose sums of squares
   the op's norms need (inputs as read, outputs as stored).
 
-  Computes in float32 and rounds once on store (half-precision leaves included).
+  Computes in float32 and rounds once on store (half-precision leaves included); ``index``
+  is the block's element indices in their leaf (for an indexed op).
   """
   ins = [x.astype(jnp.float32) for x in blocks]
-  outs = [x.astype(dt) for x, dt in zip(op.rule(h, *ins), out_dtypes)]
+  results = call_rule(op, h, blocks, index, compute_dtype=jnp.float32)
+  outs = [x.astype(dt) for x, dt in zip(results, out_dtypes)]
   sources = [ins[i] for i in op.norm_inputs] + [outs[i].astype(jnp.float32)
                                                 for i in op.norm_outputs]
   return outs, sources

@@ -6,11 +6,15 @@ checks them (errors name the leaf's key path), computes this step's scalars as o
 and runs the spec's rule through :func:`optirs_jax.pallas.dispatch.execute` (the jnp
 reference or the Pallas kernels, chosen per platform at lowering time). The fused apply
 path (:func:`optirs_jax.apply`) is the same step with the rule returning ``p + u``: it
-hangs on ``update.fused_apply``.
+hangs on ``update.fused_apply``, which also takes what the mixed-precision wrappers
+(:mod:`optirs_jax.mixed_precision`) need inside the kernel: a loss scale's inverse to
+unscale the gradients with, a finiteness flag that turns the step into a no-op, and a
+float32 master copy of low-precision params.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -20,6 +24,7 @@ import optax
 
 from optirs_jax.pallas.dispatch import check_pallas_dtypes, execute
 from optirs_jax.pallas.op import ElementwiseOp, Hyper
+from optirs_jax.rounding import round_with_key, split16
 from optirs_jax.spec import BoundRule, OptimizerSpec
 from optirs_jax.transforms import _checks as c
 
@@ -31,7 +36,12 @@ _CHECKS = {
     "flag": c.check_flag,
     "dtype": None,  # canonicalized below
     "mask": None,  # a tree of bools, a callable or None: checked against the tree in update
+    "seed": c.check_seed,
 }
+
+
+# The stochastic-rounding arguments every optimizer takes (see optirs_jax.rounding).
+ROUNDING = (("stochastic_rounding", "flag"), ("rounding_seed", "seed"))
 
 
 def _check_arguments(fn: str, spec: OptimizerSpec, arguments: Mapping[str, Any]) -> dict:
@@ -48,6 +58,9 @@ def _check_arguments(fn: str, spec: OptimizerSpec, arguments: Mapping[str, Any])
   return options
 
 
+OWN = object()  # a fused apply's default param_seed: the optimizer's own rounding
+
+
 def build(spec: OptimizerSpec, arguments: Mapping[str, Any]) -> optax.GradientTransformationExtraArgs:
   """The optimizer ``spec`` describes, with ``arguments`` (its public function's arguments,
   ``backend`` and ``executor_options`` included)."""
@@ -57,6 +70,7 @@ def build(spec: OptimizerSpec, arguments: Mapping[str, Any]) -> optax.GradientTr
   executor_options = c.check_executor_options(fn, arguments["executor_options"])
   fields = tuple(f for f in spec.fields if f.exists(options))
   names = tuple(f.name for f in fields)
+  seed = options["rounding_seed"] if options.get("stochastic_rounding") else None  # traced ok
 
   def init_fn(params):
     c.flatten(fn, "params", params)
@@ -69,11 +83,19 @@ def build(spec: OptimizerSpec, arguments: Mapping[str, Any]) -> optax.GradientTr
     return spec.state(count=jnp.zeros([], jnp.int32),
                       **{f.name: init(f) if f.exists(options) else None for f in spec.fields})
 
-  def step(updates, state, params, fused: bool):
+  def step(updates, state, params, *, fused=False, master=None, inv_scale=None, finite=None,
+           param_seed=OWN):
     g, paths, treedef = c.flatten(fn, "updates", updates)
     columns = [c.match(fn, f"state.{f.name}", getattr(state, f.name), treedef, g, paths)
                for f in fields]
     p = None if params is None else c.match(fn, "params", params, treedef, g, paths)
+    m = None
+    if master is not None:  # float32 masters of the half-precision leaves; others ignored
+      m = jax.tree.leaves(master)
+      if len(m) != len(g):
+        raise ValueError(f"{fn}: the master params have {len(m)} leaves, the updates {len(g)}")
+    uses_master = [m is not None and is_half(p[i]) for i in range(len(g))]
+    param_seed = seed if param_seed is OWN else param_seed
     count = state.count
     neg_lr, cast_lr = c.learning_rate(options["learning_rate"], count)
     wd, has_decay = (c.weight_decay_value(options["weight_decay"], count)
@@ -81,16 +103,34 @@ def build(spec: OptimizerSpec, arguments: Mapping[str, Any]) -> optax.GradientTr
     if p is None and (fused or has_decay or spec.reads_params or spec.reduction):
       raise ValueError(f"{fn}: this transformation needs the params: call "
                        "update(updates, state, params)")
-    h = Hyper(spec.scalars(options, count), neg_lr=neg_lr, wd=wd)
+    scalars = dict(spec.scalars(options, count), neg_lr=neg_lr, wd=wd)
+    if inv_scale is not None:
+      scalars["inv_scale"] = inv_scale
+    if finite is not None:
+      scalars["finite"] = jnp.asarray(finite).astype(jnp.float32)
+    if seed is not None or param_seed is not None:
+      scalars["count_lo"], scalars["count_hi"] = split16(count)
+    if seed is not None:
+      scalars["seed_lo"], scalars["seed_hi"] = split16(seed)
+    if param_seed is not None:
+      scalars["pseed_lo"], scalars["pseed_hi"] = split16(param_seed)
+    h = Hyper(scalars)
     decays = (c.mask_flags(fn, options["mask"], updates, treedef) if has_decay
               else [False] * len(g))
+    # What the rule reads as the params: the master copy where there is one.
+    weights = [m[i] if uses_master[i] else p[i] for i in range(len(g))] if p else None
     outs: list[Any] = [None] * len(g)
     norms: list[Any] = [None] * len(g)
-    for decay in sorted(set(decays), reverse=True):  # one op per static variant of the rule
-      idx = [i for i, d in enumerate(decays) if d == decay]
-      op, with_p = _op(spec, options, names, decay=decay, cast_lr=cast_lr, fused=fused)
-      leaves = [(g[i], *(col[i] for col in columns)) + ((p[i],) if with_p else ())
-                for i in idx]
+    variants = sorted(set(zip(decays, uses_master)), reverse=True)
+    for decay, in_master in variants:  # one op per static variant of the rule
+      idx = [i for i in range(len(g)) if (decays[i], uses_master[i]) == (decay, in_master)]
+      mode = _Mode(fused=fused, master=in_master, unscale=inv_scale is not None,
+                   guard=finite is not None, rounding=seed is not None,
+                   param_rounding=fused and param_seed is not None,
+                   cast_lr=cast_lr)
+      op, with_p, with_low = _op(spec, options, names, mode, decay=decay)
+      leaves = [(g[i], *(col[i] for col in columns)) + ((weights[i],) if with_p else ())
+                + ((p[i],) if with_low else ()) for i in idx]
       if backend == "pallas":
         check_pallas_dtypes(leaves, [paths[i] for i in idx])
       o, n = execute(op, h, leaves, backend=backend, options=executor_options,
@@ -99,43 +139,122 @@ def build(spec: OptimizerSpec, arguments: Mapping[str, Any]) -> optax.GradientTr
         outs[i], norms[i] = o[j], (n[j] if n is not None else None)
 
     first = [o[0] for o in outs]
+    new_master = None
+    if m is not None:
+      new_master = [outs[i][-1] if uses_master[i] else m[i] for i in range(len(g))]
     if spec.reduction is not None:  # the second pass, with the per-leaf norms
-      first = [spec.reduction.finish(h, first[i], p[i], *norms[i], cast_lr=cast_lr)
-               for i in range(len(g))]
-      if fused:
-        first = [(p[i] + first[i]).astype(p[i].dtype) for i in range(len(g))]
+      first, new_master = _finish(spec, h, first, weights, p, m, norms, uses_master,
+                                  fused=fused, guard=finite is not None,
+                                  param_rounding=param_seed is not None,
+                                  cast_lr=cast_lr)
     new_fields = {f.name: jax.tree.unflatten(treedef, [o[k + 1] for o in outs])
                   for k, f in enumerate(fields)}
-    return jax.tree.unflatten(treedef, first), spec.state(
-        count=optax.safe_increment(count),
-        **{f.name: new_fields.get(f.name) for f in spec.fields})
+    new_count = optax.safe_increment(count)
+    if finite is not None:
+      new_count = jnp.where(finite, new_count, count)
+    new_state = spec.state(count=new_count,
+                           **{f.name: new_fields.get(f.name) for f in spec.fields})
+    result = (jax.tree.unflatten(treedef, first), new_state)
+    if m is not None:
+      result += (jax.tree.unflatten(treedef, new_master),)
+    return result
+
+  def is_half(x) -> bool:
+    return jnp.finfo(x.dtype).bits < 32 if jnp.issubdtype(x.dtype, jnp.floating) else False
 
   def update_fn(updates, state, params=None, **extra_args):
     del extra_args  # optax's contract: extra arguments are accepted and ignored
-    return step(updates, state, params, fused=False)
+    return step(updates, state, params)
 
-  update_fn.fused_apply = lambda grads, state, params: step(grads, state, params, fused=True)
+  def fused_apply(grads, state, params, *, master=None, inv_scale=None, finite=None,
+                  param_seed=OWN):
+    """``(new params, new state)`` in one pass.
+
+    With ``master`` (a tree like the params holding float32 copies of the half-precision
+    leaves; its other leaves are ignored), the rule updates the copies and the params
+    become their rounding: ``(new params, new state, new master)``. ``inv_scale`` unscales
+    the gradients inside the kernel; where ``finite`` is False nothing changes (the count
+    neither). ``param_seed`` rounds the new half-precision params stochastically with that
+    seed (``None``: to nearest; by default as the optimizer's ``stochastic_rounding``).
+    """
+    return step(grads, state, params, fused=True, master=master, inv_scale=inv_scale,
+                finite=finite, param_seed=param_seed)
+
+  update_fn.fused_apply = fused_apply
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _op(spec: OptimizerSpec, options, names, *, decay: bool, cast_lr: bool, fused: bool):
-  """The elementwise op of one static variant of the rule, and whether it reads ``p``."""
-  static = dict(spec.static(options), cast_lr=cast_lr)
+@dataclasses.dataclass(frozen=True)
+class _Mode:
+  """The static variant of one step: fused apply, master copy, unscale, guard, rounding."""
+
+  fused: bool
+  master: bool
+  unscale: bool
+  guard: bool
+  rounding: bool
+  param_rounding: bool
+  cast_lr: bool
+
+
+def _op(spec: OptimizerSpec, options, names, mode: _Mode, *, decay: bool):
+  """The elementwise op of one static variant of the rule, whether it reads the params (the
+  master copy in master mode) and whether it also writes the low-precision params."""
+  static = dict(spec.static(options), cast_lr=mode.cast_lr)
   if spec.weight_decay:
     static["decay"] = decay
-  apply_in_kernel = fused and spec.reduction is None
+  apply_in_kernel = mode.fused and spec.reduction is None
   with_p = spec.reads_params or decay or spec.reduction is not None or apply_in_kernel
-  rule = BoundRule(spec.rule, names, with_p, tuple(sorted(static.items())), apply_in_kernel)
-  inputs = ("g", *names) + (("p",) if with_p else ())
-  outputs = ("u", *names)
+  with_low = apply_in_kernel and mode.master
+  rule = BoundRule(spec.rule, names, with_p, tuple(sorted(static.items())),
+                   apply=apply_in_kernel and not mode.master, master=with_low,
+                   unscale=mode.unscale, guard=mode.guard, wide_grads=mode.master,
+                   rounding=mode.rounding,
+                   param_rounding=mode.param_rounding)
+  inputs = ("g", *names) + (("p",) if with_p else ()) + (("p_low",) if with_low else ())
+  outputs = ("u", *names) + (("master",) if with_low else ())
   aliases = tuple((1 + k, 1 + k) for k in range(len(names)))
-  if apply_in_kernel:
-    aliases += ((len(inputs) - 1, 0),)
+  if with_low:
+    aliases += ((inputs.index("p_low"), 0), (inputs.index("p"), len(outputs) - 1))
+  elif apply_in_kernel:
+    aliases += ((inputs.index("p"), 0),)
   reduction = spec.reduction
-  pads = (0.0, *(f.pad for f in spec.fields if f.name in names)) + ((0.0,) if with_p else ())
+  pads = (0.0, *(f.pad for f in spec.fields if f.name in names)) + (0.0,) * (with_p + with_low)
+  hyper = spec.hyper + (("inv_scale",) if mode.unscale else ()) + (
+      ("finite",) if mode.guard else ()) + (("count_lo", "count_hi") if rule.indexed else ()) + (
+      ("seed_lo", "seed_hi") if mode.rounding else ()) + (
+      ("pseed_lo", "pseed_hi") if mode.param_rounding else ())
   op = ElementwiseOp(
-      rule, spec.hyper, pads, aliases,
+      rule, hyper, pads, aliases,
       norm_inputs=tuple(inputs.index(x) for x in reduction.inputs) if reduction else (),
       norm_outputs=tuple(outputs.index(x) for x in reduction.outputs) if reduction else (),
-      name=spec.name)
-  return op, with_p
+      name=spec.name, indexed=rule.indexed)
+  return op, with_p, with_low
+
+
+def _finish(spec: OptimizerSpec, h, first, weights, p, m, norms, uses_master, *, fused: bool,
+            guard: bool, param_rounding: bool, cast_lr: bool):
+  """The reduction's second pass in jnp (XLA fuses it per leaf): the update, or on the
+  fused apply the new params (and the new masters), with the guard and the rounding."""
+  outs, masters = [], (list(m) if m is not None else None)
+  for i, r in enumerate(first):
+    u = spec.reduction.finish(h, r, weights[i], *norms[i], cast_lr=cast_lr)
+    index = jnp.arange(r.size, dtype=jnp.uint32).reshape(r.shape)
+    key = (h.pseed_lo, h.pseed_hi, h.count_lo, h.count_hi) if param_rounding else None
+    cast = (lambda x, dt: x.astype(dt)) if key is None or not fused else (
+        lambda x, dt: round_with_key(x, dt, key, 0, index))
+    if uses_master[i]:
+      masters[i] = (m[i] + u).astype(m[i].dtype)
+      out = cast(masters[i], p[i].dtype)
+    elif fused:
+      with jax.numpy_dtype_promotion("standard"):
+        out = cast(p[i] + u, p[i].dtype)
+    else:
+      out = u
+    if guard:
+      finite = h.finite > 0
+      out = jnp.where(finite, out, p[i] if fused else jnp.zeros_like(out))
+      if uses_master[i]:
+        masters[i] = jnp.where(finite, masters[i], m[i])
+    outs.append(out)
+  return outs, masters

@@ -55,6 +55,17 @@ def canonical_dtype(fn: str, name: str, dtype: Any):
   return jax.dtypes.canonicalize_dtype(dt)
 
 
+def check_seed(fn: str, name: str, value: Any) -> None:
+  """A non-negative 32-bit integer, or an integer scalar array (traced under
+  ``optax.inject_hyperparams``)."""
+  if isinstance(value, (jax.Array, np.ndarray)) and value.ndim == 0 and jnp.issubdtype(
+      value.dtype, jnp.integer):
+    return
+  if (isinstance(value, bool) or not isinstance(value, (int, np.integer))
+      or not 0 <= value < 2**32):
+    raise ValueError(f"{fn}: {name}={value!r} must be a non-negative 32-bit int")
+
+
 def check_backend(fn: str, backend: str) -> str:
   try:
     return validate_backend(backend)

@@ -11,7 +11,7 @@ import optax
 from optirs_jax import rules
 from optirs_jax.pallas.options import ExecutorOptions
 from optirs_jax.spec import Field, OptimizerSpec
-from optirs_jax.transforms._builder import build
+from optirs_jax.transforms._builder import ROUNDING, build
 
 
 class AdagradState(NamedTuple):
@@ -30,7 +30,7 @@ def _validate(fn, options):
 ADAGRAD = OptimizerSpec(
     name="adagrad",
     arguments=(("learning_rate", "schedule"), ("initial_accumulator_value", "number"),
-               ("eps", "number")),
+               ("eps", "number")) + ROUNDING,
     state=AdagradState,
     fields=(Field("sum_of_squares", init="initial_accumulator_value", pad=1.0),),
     rule=rules.adagrad_rule,
@@ -42,7 +42,8 @@ ADAGRAD = OptimizerSpec(
 
 def adagrad(learning_rate: optax.ScalarOrSchedule,
             initial_accumulator_value: jax.typing.ArrayLike = 0.1,
-            eps: jax.typing.ArrayLike = 1e-7, *, backend: str = "auto",
+            eps: jax.typing.ArrayLike = 1e-7, *, stochastic_rounding: bool = False,
+            rounding_seed: int = 0, backend: str = "auto",
             executor_options: ExecutorOptions | None = None
             ) -> optax.GradientTransformationExtraArgs:
   r"""Adagrad; the same numbers as :func:`optax.adagrad`.
@@ -55,6 +56,7 @@ def adagrad(learning_rate: optax.ScalarOrSchedule,
     learning_rate: a number, a scalar array or a schedule ``count -> lr``.
     initial_accumulator_value: the starting value of :math:`s` (must be >= 0).
     eps: added inside the square root.
+    stochastic_rounding, rounding_seed: as in :func:`~optirs_jax.adam`.
     backend: ``"auto"``, ``"jnp"`` or ``"pallas"``.
     executor_options: the kernels' layout and launch options (:class:`~optirs_jax.ExecutorOptions`).
 

@@ -11,7 +11,7 @@ import optax
 from optirs_jax import rules
 from optirs_jax.pallas.options import ExecutorOptions
 from optirs_jax.spec import Field, OptimizerSpec
-from optirs_jax.transforms._builder import build
+from optirs_jax.transforms._builder import ROUNDING, build
 from optirs_jax.transforms._checks import as_float
 
 
@@ -34,13 +34,14 @@ def adam_scalars(options, count) -> dict:
 
 
 ADAM_HYPER = ("b1", "c1", "b2", "c2", "eps", "eps_root", "bc1", "bc1_next", "bc2", "wd", "neg_lr")
-ADAM_FIELDS = (Field("mu", dtype="mu_dtype"), Field("nu", pad=1.0))
+ADAM_FIELDS = (Field("mu", dtype="mu_dtype"), Field("nu", dtype="nu_dtype", pad=1.0))
 
 ADAMW = OptimizerSpec(
     name="adamw",
     arguments=(("learning_rate", "schedule"), ("b1", "number"), ("b2", "number"),
                ("eps", "number"), ("eps_root", "number"), ("mu_dtype", "dtype"),
-               ("weight_decay", "schedule"), ("mask", "mask"), ("nesterov", "flag")),
+               ("nu_dtype", "dtype"), ("weight_decay", "schedule"), ("mask", "mask"),
+               ("nesterov", "flag")) + ROUNDING,
     state=AdamState,
     fields=ADAM_FIELDS,
     rule=rules.adam_rule,
@@ -55,7 +56,8 @@ ADAM = dataclasses.replace(ADAMW, name="adam")
 def adam(learning_rate: optax.ScalarOrSchedule, b1: jax.typing.ArrayLike = 0.9,
          b2: jax.typing.ArrayLike = 0.999, eps: jax.typing.ArrayLike = 1e-8,
          eps_root: jax.typing.ArrayLike = 0.0, mu_dtype: Any | None = None, *,
-         nesterov: bool = False, backend: str = "auto",
+         nu_dtype: Any | None = None, nesterov: bool = False, stochastic_rounding: bool = False,
+         rounding_seed: int = 0, backend: str = "auto",
          executor_options: ExecutorOptions | None = None
          ) -> optax.GradientTransformationExtraArgs:
   r"""Adam, fused into one kernel pass; the same numbers as :func:`optax.adam`.
@@ -77,8 +79,15 @@ def adam(learning_rate: optax.ScalarOrSchedule, b1: jax.typing.ArrayLike = 0.9,
     b2: decay of the second moment.
     eps: added to the denominator outside the square root.
     eps_root: added inside the square root.
-    mu_dtype: dtype of the first moment; ``None`` keeps the updates' dtype.
+    mu_dtype: dtype of the first moment; ``None``: the params' dtype.
+    nu_dtype: dtype of the second moment (optax has no such option); ``None``: the
+      params' dtype. ``jnp.bfloat16`` halves its bytes.
     nesterov: use Nesterov momentum (NAdam).
+    stochastic_rounding: round bfloat16 state (and, on the fused apply, bfloat16 params)
+      stochastically instead of to nearest: unbiased, so updates smaller than half a
+      bfloat16 step still add up (:mod:`optirs_jax.rounding`).
+    rounding_seed: the stochastic rounding's seed (its bits also depend on the step count
+      and the element): a run is deterministic for a given seed.
     backend: ``"auto"``, ``"jnp"`` or ``"pallas"`` (see :mod:`optirs_jax.backends`).
     executor_options: the kernels' layout and launch options
       (:class:`~optirs_jax.ExecutorOptions`; ``None``: the measured defaults).
@@ -108,7 +117,8 @@ def adamw(learning_rate: optax.ScalarOrSchedule, b1: jax.typing.ArrayLike = 0.9,
           b2: jax.typing.ArrayLike = 0.999, eps: jax.typing.ArrayLike = 1e-8,
           eps_root: jax.typing.ArrayLike = 0.0, mu_dtype: Any | None = None,
           weight_decay: optax.ScalarOrSchedule = 1e-4, mask: Any = None, *,
-          nesterov: bool = False, backend: str = "auto",
+          nu_dtype: Any | None = None, nesterov: bool = False,
+          stochastic_rounding: bool = False, rounding_seed: int = 0, backend: str = "auto",
           executor_options: ExecutorOptions | None = None
           ) -> optax.GradientTransformationExtraArgs:
   r"""AdamW (decoupled weight decay), fused; the same numbers as :func:`optax.adamw`.
@@ -121,8 +131,8 @@ def adamw(learning_rate: optax.ScalarOrSchedule, b1: jax.typing.ArrayLike = 0.9,
   learning rate, as in optax and PyTorch.
 
   Args:
-    learning_rate, b1, b2, eps, eps_root, mu_dtype, nesterov, backend, executor_options: as
-      in :func:`adam`.
+    learning_rate, b1, b2, eps, eps_root, mu_dtype, nu_dtype, nesterov, stochastic_rounding,
+      rounding_seed, backend, executor_options: as in :func:`adam`.
     weight_decay: the decay :math:`\lambda`, a number or a schedule.
     mask: a tree of bools (or a prefix of the params tree), or a callable returning one,
       ``True`` where the decay applies. Adam itself applies to every leaf.

@@ -10,20 +10,20 @@ import optax
 from optirs_jax import rules
 from optirs_jax.pallas.options import ExecutorOptions
 from optirs_jax.spec import OptimizerSpec, Reduction
-from optirs_jax.transforms._builder import build
+from optirs_jax.transforms._builder import ROUNDING, build
 from optirs_jax.transforms.adam import ADAM_FIELDS, ADAM_HYPER, AdamState, adam_scalars
 
 LAMB = OptimizerSpec(
     name="lamb",
     arguments=(("learning_rate", "schedule"), ("b1", "number"), ("b2", "number"),
-               ("eps", "number"), ("eps_root", "number"), ("weight_decay", "schedule"),
-               ("mask", "mask")),
+               ("eps", "number"), ("eps_root", "number"), ("mu_dtype", "dtype"),
+               ("nu_dtype", "dtype"), ("weight_decay", "schedule"), ("mask", "mask")) + ROUNDING,
     state=AdamState,
     fields=ADAM_FIELDS,
     rule=rules.adam_rule,
     hyper=ADAM_HYPER,
     scalars=adam_scalars,
-    static=lambda o: dict(nesterov=False, scale=False, mu_dtype=None),
+    static=lambda o: dict(nesterov=False, scale=False, mu_dtype=o["mu_dtype"]),
     weight_decay=True,
     # ||p|| and ||r|| per leaf, then u = -lr * r * ||p|| / ||r||.
     reduction=Reduction(inputs=("p",), outputs=("u",), finish=rules.lamb_trust_ratio),
@@ -33,7 +33,8 @@ LAMB = OptimizerSpec(
 def lamb(learning_rate: optax.ScalarOrSchedule, b1: jax.typing.ArrayLike = 0.9,
          b2: jax.typing.ArrayLike = 0.999, eps: jax.typing.ArrayLike = 1e-6,
          eps_root: jax.typing.ArrayLike = 0.0, weight_decay: optax.ScalarOrSchedule = 0.0,
-         mask: Any = None, *, backend: str = "auto",
+         mask: Any = None, *, mu_dtype: Any | None = None, nu_dtype: Any | None = None,
+         stochastic_rounding: bool = False, rounding_seed: int = 0, backend: str = "auto",
          executor_options: ExecutorOptions | None = None
          ) -> optax.GradientTransformationExtraArgs:
   r"""LAMB: Adam with a layer-wise trust ratio; the same numbers as :func:`optax.lamb`.
@@ -50,8 +51,9 @@ def lamb(learning_rate: optax.ScalarOrSchedule, b1: jax.typing.ArrayLike = 0.9,
   per-leaf norms and a second elementwise pass applies the ratio.
 
   Args:
-    learning_rate, b1, b2, eps, eps_root, backend, executor_options: as in
-      :func:`~optirs_jax.adam`.
+    learning_rate, b1, b2, eps, eps_root, mu_dtype, nu_dtype, stochastic_rounding,
+      rounding_seed, backend, executor_options: as in :func:`~optirs_jax.adam` (optax's
+      lamb has neither dtype option; ``None`` keeps optax's dtypes).
     weight_decay: the decay :math:`\lambda` (a number or a schedule).
     mask: where the decay applies (the trust ratio applies to every leaf).
 

@@ -10,7 +10,7 @@ import optax
 from optirs_jax import rules
 from optirs_jax.pallas.options import ExecutorOptions
 from optirs_jax.spec import Field, OptimizerSpec
-from optirs_jax.transforms._builder import build
+from optirs_jax.transforms._builder import ROUNDING, build
 
 
 class LionState(NamedTuple):
@@ -23,7 +23,7 @@ class LionState(NamedTuple):
 LION = OptimizerSpec(
     name="lion",
     arguments=(("learning_rate", "schedule"), ("b1", "number"), ("b2", "number"),
-               ("mu_dtype", "dtype"), ("weight_decay", "schedule"), ("mask", "mask")),
+               ("mu_dtype", "dtype"), ("weight_decay", "schedule"), ("mask", "mask")) + ROUNDING,
     state=LionState,
     fields=(Field("mu", dtype="mu_dtype"),),
     rule=rules.lion_rule,
@@ -37,7 +37,7 @@ LION = OptimizerSpec(
 def lion(learning_rate: optax.ScalarOrSchedule, b1: jax.typing.ArrayLike = 0.9,
          b2: jax.typing.ArrayLike = 0.99, mu_dtype: Any | None = None,
          weight_decay: optax.ScalarOrSchedule = 1e-3, mask: Any = None, *,
-         backend: str = "auto", executor_options: ExecutorOptions | None = None
+         stochastic_rounding: bool = False, rounding_seed: int = 0, backend: str = "auto", executor_options: ExecutorOptions | None = None
          ) -> optax.GradientTransformationExtraArgs:
   r"""Lion; the same numbers as :func:`optax.lion`.
 
@@ -59,6 +59,7 @@ def lion(learning_rate: optax.ScalarOrSchedule, b1: jax.typing.ArrayLike = 0.9,
     mu_dtype: dtype of the momentum; ``None`` keeps the updates' dtype.
     weight_decay: the decoupled decay :math:`\lambda` (multiplied by the learning rate).
     mask: where the decay applies (a tree of bools, a prefix of one, or a callable).
+    stochastic_rounding, rounding_seed: as in :func:`~optirs_jax.adam`.
     backend: ``"auto"``, ``"jnp"`` or ``"pallas"``.
     executor_options: the kernels' layout and launch options (:class:`~optirs_jax.ExecutorOptions`).
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import optax
@@ -10,7 +10,7 @@ import optax
 from optirs_jax import rules
 from optirs_jax.pallas.options import ExecutorOptions
 from optirs_jax.spec import Field, OptimizerSpec
-from optirs_jax.transforms._builder import build
+from optirs_jax.transforms._builder import ROUNDING, build
 from optirs_jax.transforms._checks import as_float
 
 
@@ -35,9 +35,10 @@ RMSPROP = OptimizerSpec(
     arguments=(("learning_rate", "schedule"), ("decay", "number"), ("eps", "number"),
                ("initial_scale", "number"), ("eps_in_sqrt", "flag"), ("centered", "flag"),
                ("momentum", "optional number"), ("nesterov", "flag"),
-               ("bias_correction", "flag")),
+               ("bias_correction", "flag"), ("nu_dtype", "dtype")) + ROUNDING,
     state=RmspropState,
-    fields=(Field("nu", init="initial_scale", pad=1.0), Field("mu", when="centered"),
+    fields=(Field("nu", init="initial_scale", dtype="nu_dtype", pad=1.0),
+            Field("mu", when="centered"),
             Field("trace", when="momentum")),
     rule=rules.rmsprop_rule,
     hyper=("decay", "c_decay", "eps", "bc", "momentum", "neg_lr"),
@@ -52,7 +53,8 @@ def rmsprop(learning_rate: optax.ScalarOrSchedule, decay: jax.typing.ArrayLike =
             eps: jax.typing.ArrayLike = 1e-8, initial_scale: jax.typing.ArrayLike = 0.0,
             eps_in_sqrt: bool = True, centered: bool = False,
             momentum: jax.typing.ArrayLike | None = None, nesterov: bool = False,
-            bias_correction: bool = False, *, backend: str = "auto",
+            bias_correction: bool = False, *, nu_dtype: Any | None = None,
+            stochastic_rounding: bool = False, rounding_seed: int = 0, backend: str = "auto",
             executor_options: ExecutorOptions | None = None
             ) -> optax.GradientTransformationExtraArgs:
   r"""RMSprop; the same numbers as :func:`optax.rmsprop`.
@@ -79,6 +81,8 @@ def rmsprop(learning_rate: optax.ScalarOrSchedule, decay: jax.typing.ArrayLike =
     momentum: the momentum decay :math:`\mu`, or ``None``.
     nesterov: use Nesterov momentum.
     bias_correction: divide the EMAs by :math:`1-\rho^k`.
+    nu_dtype: dtype of :math:`v` (optax has no such option); ``None``: the params' dtype.
+    stochastic_rounding, rounding_seed: as in :func:`~optirs_jax.adam`.
     backend: ``"auto"``, ``"jnp"`` or ``"pallas"``.
     executor_options: the kernels' layout and launch options (:class:`~optirs_jax.ExecutorOptions`).
 

@@ -10,7 +10,7 @@ import optax
 from optirs_jax import rules
 from optirs_jax.pallas.options import ExecutorOptions
 from optirs_jax.spec import Field, OptimizerSpec
-from optirs_jax.transforms._builder import build
+from optirs_jax.transforms._builder import ROUNDING, build
 
 
 class SgdState(NamedTuple):
@@ -23,7 +23,7 @@ class SgdState(NamedTuple):
 SGD = OptimizerSpec(
     name="sgd",
     arguments=(("learning_rate", "schedule"), ("momentum", "optional number"),
-               ("nesterov", "flag"), ("accumulator_dtype", "dtype")),
+               ("nesterov", "flag"), ("accumulator_dtype", "dtype")) + ROUNDING,
     state=SgdState,
     fields=(Field("trace", dtype="accumulator_dtype", when="momentum"),),
     rule=rules.sgd_rule,
@@ -35,7 +35,7 @@ SGD = OptimizerSpec(
 
 def sgd(learning_rate: optax.ScalarOrSchedule, momentum: jax.typing.ArrayLike | None = None,
         nesterov: bool = False, accumulator_dtype: Any | None = None, *,
-        backend: str = "auto", executor_options: ExecutorOptions | None = None
+        stochastic_rounding: bool = False, rounding_seed: int = 0, backend: str = "auto", executor_options: ExecutorOptions | None = None
         ) -> optax.GradientTransformationExtraArgs:
   r"""Stochastic gradient descent; the same numbers as :func:`optax.sgd`.
 
@@ -50,6 +50,7 @@ def sgd(learning_rate: optax.ScalarOrSchedule, momentum: jax.typing.ArrayLike | 
     momentum: the momentum decay :math:`\mu`, or ``None`` for plain SGD.
     nesterov: use Nesterov momentum.
     accumulator_dtype: dtype of the momentum buffer; ``None`` keeps the params' dtype.
+    stochastic_rounding, rounding_seed: as in :func:`~optirs_jax.adam`.
     backend: ``"auto"``, ``"jnp"`` or ``"pallas"``.
     executor_options: the kernels' layout and launch options (:class:`~optirs_jax.ExecutorOptions`).
 

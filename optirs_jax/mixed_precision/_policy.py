@@ -1,0 +1,118 @@
+"""Mixed-precision policies: which dtype params are stored in, computed in, and output in."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+_DTYPES = {
+    "bf16": jnp.bfloat16, "bfloat16": jnp.bfloat16,
+    "f16": jnp.float16, "float16": jnp.float16, "half": jnp.float16,
+    "f32": jnp.float32, "float32": jnp.float32, "full": jnp.float32, "single": jnp.float32,
+    "f64": jnp.float64, "float64": jnp.float64, "double": jnp.float64,
+}
+_KEYS = {"p": "param_dtype", "params": "param_dtype", "c": "compute_dtype",
+         "compute": "compute_dtype", "o": "output_dtype", "output": "output_dtype"}
+
+
+def _cast(tree, dtype):
+  """Floating leaves cast to ``dtype``; integer, boolean and other leaves untouched."""
+  def cast(x):
+    if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating):
+      return jnp.asarray(x).astype(dtype)
+    return x
+  return jax.tree.map(cast, tree)
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+  """Where a mixed-precision model keeps its params, computes and returns its outputs.
+
+  >>> import jax.numpy as jnp
+  >>> policy = get_policy("p=f32,c=bf16,o=f32")
+  >>> policy.cast_to_compute({"w": jnp.ones(2), "step": jnp.int32(3)})["w"].dtype
+  dtype(bfloat16)
+  >>> str(policy)
+  'params=float32,compute=bfloat16,output=float32'
+  """
+
+  param_dtype: Any
+  compute_dtype: Any
+  output_dtype: Any
+
+  def __post_init__(self):
+    for name in ("param_dtype", "compute_dtype", "output_dtype"):
+      dt = jnp.dtype(getattr(self, name))
+      if not jnp.issubdtype(dt, jnp.floating):
+        raise ValueError(f"Policy: {name}={dt} must be a floating dtype")
+      object.__setattr__(self, name, dt)
+
+  def cast_to_param(self, tree):
+    """Floating leaves in the params' dtype (integer leaves untouched)."""
+    return _cast(tree, self.param_dtype)
+
+  def cast_to_compute(self, tree):
+    """Floating leaves in the compute dtype (integer leaves untouched)."""
+    return _cast(tree, self.compute_dtype)
+
+  def cast_to_output(self, tree):
+    """Floating leaves in the output dtype (integer leaves untouched)."""
+    return _cast(tree, self.output_dtype)
+
+  def with_param_dtype(self, dtype) -> Policy:
+    return dataclasses.replace(self, param_dtype=dtype)
+
+  def with_compute_dtype(self, dtype) -> Policy:
+    return dataclasses.replace(self, compute_dtype=dtype)
+
+  def with_output_dtype(self, dtype) -> Policy:
+    return dataclasses.replace(self, output_dtype=dtype)
+
+  def __str__(self) -> str:
+    return (f"params={self.param_dtype.name},compute={self.compute_dtype.name},"
+            f"output={self.output_dtype.name}")
+
+
+def _parse_dtype(text: str, policy: str):
+  try:
+    return _DTYPES[text.strip().lower()]
+  except KeyError:
+    raise ValueError(f"unknown dtype {text.strip()!r} in policy {policy!r}; valid dtypes are "
+                     f"{sorted(_DTYPES)}") from None
+
+
+def get_policy(policy: str) -> Policy:
+  """A :class:`Policy` from jmp's string format.
+
+  ``"params=float32,compute=bfloat16,output=float32"``, its short form
+  ``"p=f32,c=bf16,o=f32"``, or one dtype for all three (``"bf16"``). Omitted parts default
+  to float32 params, compute in the params' dtype and output in the compute dtype.
+
+  >>> get_policy("c=f16").output_dtype
+  dtype('float16')
+  >>> get_policy("p=f32,x=bf16")
+  Traceback (most recent call last):
+  ...
+  ValueError: unknown key 'x' in policy 'p=f32,x=bf16'; valid keys are ['c', 'compute', 'o', 'output', 'p', 'params']
+  """
+  if not isinstance(policy, str) or not policy.strip():
+    raise ValueError(f"policy={policy!r} must be a non-empty string such as "
+                     "'params=float32,compute=bfloat16,output=float32'")
+  if "=" not in policy:
+    dtype = _parse_dtype(policy, policy)
+    return Policy(dtype, dtype, dtype)
+  parts: dict[str, Any] = {}
+  for part in policy.split(","):
+    if part.count("=") != 1:
+      raise ValueError(f"policy {policy!r}: {part.strip()!r} is not key=dtype")
+    key, value = (t.strip() for t in part.split("="))
+    if key.lower() not in _KEYS:
+      raise ValueError(f"unknown key {key!r} in policy {policy!r}; valid keys are "
+                       f"{sorted(_KEYS)}")
+    parts[_KEYS[key.lower()]] = _parse_dtype(value, policy)
+  param = parts.get("param_dtype", jnp.float32)
+  compute = parts.get("compute_dtype", param)
+  return Policy(param, compute, parts.get("output_dtype", compute))

@@ -1,0 +1,251 @@
+"""Loss scaling and master weights around the optimizers: the plain optimizer's numbers on
+finite steps, bit-identical state on skipped ones, exact rounding of the master, and a
+float16 model that trains only with scaling."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optirs_jax
+from optirs_jax import mixed_precision as mp
+from tests import cases
+
+BACKENDS = ["jnp", "pallas"]
+
+
+def grads_like(params, seed, scale=1.0):
+  return jax.tree.map(lambda x: (scale * x).astype(x.dtype), cases.ragged_tree(seed, shapes={
+      k: v.shape for k, v in params.items()}))
+
+
+def fused(tx):
+  return jax.jit(lambda g, s, p: optirs_jax.apply(tx, g, s, p))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", ["adam", "lamb", "sgd"])
+def test_finite_steps_equal_the_plain_optimizer_on_unscaled_gradients(name, backend):
+  kw = {"momentum": 0.9} if name == "sgd" else {}
+  inner = getattr(optirs_jax, name)(1e-2, **kw, backend=backend)
+  tx = mp.with_loss_scaling(inner, mp.DynamicLossScale(2.0**12, period=2))
+  params = cases.ragged_tree(0)
+  s, rs = tx.init(params), inner.init(params)
+  p, rp = params, params
+  for i in range(4):
+    g = grads_like(params, i + 1)
+    scale = mp.loss_scale_of(s).loss_scale
+    u, s = jax.jit(tx.update)(mp.loss_scale_of(s).scale(g), s, p)
+    ru, rs = jax.jit(inner.update)(g, rs, rp)
+    # The scale is a power of two, so the unscaled gradients are exactly the plain ones;
+    # XLA fuses the unscale into the update's expression, where a multiply-add may contract
+    # differently: a few ulps of the values added (SGD's trace adds terms of size ~5 that
+    # cancel to ~1e-2, so 1e-6 absolute).
+    chex.assert_trees_all_close(u, ru, rtol=1e-6, atol=1e-6)
+    chex.assert_trees_all_close(s.inner_state, rs, rtol=1e-6, atol=1e-6)
+    p, rp = optax.apply_updates(p, u), optax.apply_updates(rp, ru)
+  assert float(mp.loss_scale_of(s).loss_scale) == 2.0**14 and float(scale) == 2.0**13
+  assert int(mp.skipped_steps_of(s)) == 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("path", ["update", "apply"])
+def test_a_non_finite_step_changes_nothing_but_the_scale(backend, path):
+  tx = mp.with_loss_scaling(optirs_jax.adamw(1e-2, backend=backend))
+  params = cases.ragged_tree(0)
+  state = tx.init(params)
+  step = fused(tx) if path == "apply" else jax.jit(
+      lambda g, s, p: (lambda u, s: (optax.apply_updates(p, u), s))(*tx.update(g, s, p)))
+  params, state = step(grads_like(params, 1), state, params)  # one finite step first
+  bad = grads_like(params, 2)
+  bad["thousand"] = bad["thousand"].at[17].set(jnp.inf)
+  new_params, new_state = step(bad, state, params)
+  chex.assert_trees_all_equal(new_params, params)
+  chex.assert_trees_all_equal(new_state.inner_state, state.inner_state)
+  assert int(mp.skipped_steps_of(new_state)) == 1
+  assert float(mp.loss_scale_of(new_state).loss_scale) == 2.0**14
+  nan = jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), params)
+  again, nan_state = step(nan, new_state, new_params)
+  chex.assert_trees_all_equal(again, params)
+  assert int(nan_state.inner_state.count) == int(state.inner_state.count)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", ["adam", "lamb", "lion"])
+def test_fused_apply_equals_update_then_apply_updates(name, backend):
+  tx = mp.with_loss_scaling(getattr(optirs_jax, name)(1e-2, backend=backend))
+  params = cases.ragged_tree(0)
+  s1 = s2 = tx.init(params)
+  p1 = p2 = params
+  for i in range(3):
+    g = mp.loss_scale_of(s1).scale(grads_like(params, i + 1))
+    p1, s1 = fused(tx)(g, s1, p1)
+    u, s2 = jax.jit(tx.update)(g, s2, p2)
+    p2 = optax.apply_updates(p2, u)
+  chex.assert_trees_all_close(p1, p2, rtol=1e-6, atol=1e-7)
+  chex.assert_trees_all_close(s1, s2, rtol=1e-6, atol=1e-9)
+
+
+def _grad_sized_multiplies_escape(jaxpr, sizes) -> list[str]:
+  """Multiplies outside any kernel whose output has a gradient's size and is read by
+  anything but ``is_finite`` (an unscaled copy that reaches a kernel or an output)."""
+  found = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "pallas_call":
+      continue
+    for sub in jax.core.subjaxprs(eqn) if hasattr(jax.core, "subjaxprs") else ():
+      found += _grad_sized_multiplies_escape(sub, sizes)
+    for value in eqn.params.values():
+      for sub in (value if isinstance(value, (tuple, list)) else [value]):
+        if isinstance(sub, jax.extend.core.ClosedJaxpr):
+          found += _grad_sized_multiplies_escape(sub.jaxpr, sizes)
+        elif isinstance(sub, jax.extend.core.Jaxpr):
+          found += _grad_sized_multiplies_escape(sub, sizes)
+    if eqn.primitive.name == "mul" and eqn.outvars[0].aval.size in sizes:
+      out = eqn.outvars[0]
+      readers = [e.primitive.name for e in jaxpr.eqns if out in e.invars]
+      if out in jaxpr.outvars or any(r != "is_finite" for r in readers):
+        found.append(f"mul -> {readers}")
+  return found
+
+
+def test_the_kernel_unscales_the_gradients_it_reads():
+  """On the fused apply the gradients go into the kernel as they are; the only multiply of
+  a gradient-sized array outside it feeds the finiteness check (a reduction XLA fuses)."""
+  tx = mp.with_loss_scaling(optirs_jax.adam(1e-2, backend="pallas"))
+  params = {"a": jnp.ones((37, 5)), "b": jnp.ones(1000)}
+  jaxpr = jax.make_jaxpr(lambda g, s, p: optirs_jax.apply(tx, g, s, p))(
+      params, tx.init(params), params)
+  assert not _grad_sized_multiplies_escape(jaxpr.jaxpr, {185, 1000})
+  assert "pallas_call" in str(jaxpr)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_inside_chain_and_around_multi_steps(backend, standard_promotion):
+  inner = optirs_jax.adam(1e-2, backend=backend)
+  params = cases.ragged_tree(0)
+  chained = optax.chain(optax.clip_by_global_norm(1.0), mp.with_loss_scaling(inner))
+  s = chained.init(params)
+  u, s = jax.jit(chained.update)(mp.loss_scale_of(s).scale(grads_like(params, 1, 1e-3)), s,
+                                 params)
+  assert int(mp.skipped_steps_of(s)) == 0 and mp.loss_scale_of(s).loss_scale > 0
+  # Gradient accumulation: MultiSteps inside the scaling.
+  tx = mp.with_loss_scaling(optax.MultiSteps(inner, every_k_schedule=2), mp.StaticLossScale(4.0))
+  ref = optax.MultiSteps(inner, every_k_schedule=2)
+  s, rs = tx.init(params), ref.init(params)
+  for i in range(4):
+    g = grads_like(params, i + 1)
+    u, s = jax.jit(tx.update)(mp.loss_scale_of(s).scale(g), s, params)
+    ru, rs = jax.jit(ref.update)(g, rs, params)
+    chex.assert_trees_all_equal(u, ru)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
+def test_master_weights_params_are_exactly_the_rounded_master(dtype, standard_promotion):
+  tx = mp.master_weights(optirs_jax.sgd(0.7, momentum=0.9))
+  params = cases.ragged_tree(0, dtype)
+  state = tx.init(params)
+  assert all(m.dtype == jnp.float32 for m in jax.tree.leaves(state.master))
+  for i in range(6):  # large steps: values cross zero and change binade
+    updates, state = jax.jit(tx.update)(grads_like(params, i + 1), state, params)
+    params = optax.apply_updates(params, updates)
+    chex.assert_trees_all_equal(params, jax.tree.map(lambda m: m.astype(dtype), state.master))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", ["adamw", "lamb"])
+def test_master_weights_fused_equals_update_path(name, backend, standard_promotion):
+  """One kernel pass reads the bfloat16 gradient and the float32 master and writes the
+  master, the state and the bfloat16 params: the update path's numbers."""
+  tx = mp.master_weights(getattr(optirs_jax, name)(1e-2, backend=backend))
+  params = cases.ragged_tree(0, jnp.bfloat16) | {"f32": jnp.linspace(-1.0, 1.0, 300)}
+  s1 = s2 = tx.init(params)
+  p1 = p2 = params
+  for i in range(3):
+    g = jax.tree.map(lambda x: jnp.cos(x * (i + 1)).astype(x.dtype), p1)
+    p1, s1 = fused(tx)(g, s1, p1)
+    u, s2 = jax.jit(tx.update)(g, s2, p2)
+    p2 = optax.apply_updates(p2, u)
+  chex.assert_trees_all_close(s1.master, s2.master, rtol=1e-6, atol=1e-7)
+  chex.assert_trees_all_close(p1, p2, rtol=2**-7, atol=1e-6)
+  chex.assert_trees_all_equal_dtypes(p1, params)
+
+
+def test_master_weights_and_loss_scaling_are_one_launch_on_the_gpu(standard_promotion):
+  from tests.test_lowering import cuda_triton_calls
+  tx = mp.with_loss_scaling(mp.master_weights(optirs_jax.adamw(1e-3)))
+  params = {"w": jnp.ones((64, 128), jnp.bfloat16), "b": jnp.ones(7, jnp.bfloat16)}
+  assert cuda_triton_calls(lambda p, s, g: optirs_jax.apply(tx, g, s, p), params,
+                           tx.init(params), params) == 1
+
+
+@pytest.mark.parametrize("name, field, kw", [
+    ("adam", "nu", {"nu_dtype": jnp.bfloat16}), ("adam", "mu", {"mu_dtype": jnp.bfloat16}),
+    ("adamw", "nu", {"nu_dtype": jnp.bfloat16}), ("lamb", "nu", {"nu_dtype": jnp.bfloat16}),
+    ("lamb", "mu", {"mu_dtype": jnp.bfloat16}), ("rmsprop", "nu", {"nu_dtype": jnp.bfloat16}),
+    ("sgd", "trace", {"momentum": 0.9, "accumulator_dtype": jnp.bfloat16})])
+def test_low_precision_state_halves_its_bytes(name, field, kw, standard_promotion):
+  params = cases.ragged_tree(0)
+  full = getattr(optirs_jax, name)(1e-2, **{k: v for k, v in kw.items() if "dtype" not in k})
+  half = getattr(optirs_jax, name)(1e-2, **kw)
+  nbytes = lambda t: sum(x.nbytes for x in jax.tree.leaves(t))
+  s_full, s_half = full.init(params), half.init(params)
+  assert nbytes(getattr(s_half, field)) * 2 == nbytes(getattr(s_full, field))
+  for backend in BACKENDS:  # and it stays half precision through steps
+    tx = getattr(optirs_jax, name)(1e-2, **kw, backend=backend)
+    s = tx.init(params)
+    for _ in range(2):
+      _, s = jax.jit(tx.update)(grads_like(params, 1), s, params)
+    assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(getattr(s, field)))
+
+
+def test_float16_model_trains_with_scaling_and_underflows_without():
+  """float16 compute, float32 params: the gradients of a small loss underflow to zero in the
+  float16 backward pass unless the loss is scaled."""
+  import flax.linen as nn
+
+  class MLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      for width in (64, 64):
+        x = nn.tanh(nn.Dense(width, dtype=jnp.float16, param_dtype=jnp.float32)(x))
+      return nn.Dense(1, dtype=jnp.float16, param_dtype=jnp.float32)(x)
+
+  x = jax.random.normal(jax.random.PRNGKey(0), (256, 16))
+  y = 0.5 * jnp.sin(x[:, :1])
+  model = MLP()
+  params0 = model.init(jax.random.PRNGKey(1), x)
+  loss_fn = lambda p: 1e-4 * jnp.mean((model.apply(p, x).astype(jnp.float32) - y) ** 2)
+
+  def train(scaled: bool, steps=200):
+    inner = optirs_jax.adam(1e-2)
+    tx = mp.with_loss_scaling(inner) if scaled else inner
+    p, s = params0, tx.init(params0)
+
+    @jax.jit
+    def step(p, s):
+      ls = mp.loss_scale_of(s) if scaled else mp.NoOpLossScale()
+      g = jax.grad(lambda p: ls.scale(loss_fn(p)))(p)
+      zeros = sum(jnp.sum(v == 0) for v in jax.tree.leaves(g)) / sum(
+          v.size for v in jax.tree.leaves(g))
+      p, s = optirs_jax.apply(tx, g, s, p)
+      return p, s, zeros
+
+    zeros = []
+    for _ in range(steps):
+      p, s, z = step(p, s)
+      zeros.append(float(z))
+    return float(loss_fn(p)), zeros
+
+  start = float(loss_fn(params0))
+  loss_plain, zeros_plain = train(False)
+  loss_scaled, zeros_scaled = train(True)
+  # Without scaling a sixth of the gradient entries are exactly zero from the first step
+  # and almost all of them by the end; with scaling almost none. The loss shows it.
+  first, last = lambda z: float(np.mean(z[:10])), lambda z: float(np.mean(z[-10:]))
+  assert first(zeros_plain) > 0.15 and last(zeros_plain) > 0.9, zeros_plain
+  assert first(zeros_scaled) < 0.01 and last(zeros_scaled) < 0.1, zeros_scaled
+  assert loss_scaled < 1e-3 * start and loss_scaled < 0.01 * loss_plain, (
+      start, loss_plain, loss_scaled)
