@@ -6,7 +6,8 @@
 # (benchmarks/occupancy_vs_driver.py), tiling (benchmarks/tiling_variants.py), census
 # (benchmarks/hlo_census.py $CENSUS_ARGS), unpack (benchmarks/unpack_variants.py), policy
 # (benchmarks/policy_variants.sh), tests (the
-# whole suite with the GPU visible), bench (python -m optirs_jax.bench $BENCH_ARGS).
+# whole suite with the GPU visible, WORKERS pytest-xdist workers), bench (python -m
+# optirs_jax.bench $BENCH_ARGS).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/optirs_out}
@@ -44,8 +45,9 @@ if has policy; then
   bash benchmarks/policy_variants.sh 2>&1 | tee -a "$OUT/extras.txt"
 fi
 if has tests; then
-  timeout ${TESTS_TIMEOUT:-400} python3 -m pytest -q -p no:cacheprovider -rs "$@" 2>&1 \
-    | tee "$OUT/pytest.log" | tail -25
+  # Several workers share the GPU (no preallocation); Triton compiles run in parallel.
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${TESTS_TIMEOUT:-400} python3 -m pytest -q \
+    -p no:cacheprovider -rs -n ${WORKERS:-8} "$@" 2>&1 | tee "$OUT/pytest.log" | tail -25
 fi
 if has bench; then
   timeout ${BENCH_TIMEOUT:-400} python3 -m optirs_jax.bench ${BENCH_ARGS:-} --json "$OUT/bench.json" \

@@ -1,0 +1,135 @@
+"""What the benchmark times: the trees, the optimizers and each implementation's step."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+
+import optirs_jax
+from optirs_jax import mixed_precision as mp
+
+
+def gpt2_small_shapes(d: int = 768, vocab: int = 50257, ctx: int = 1024, layers: int = 12):
+  """The 148 parameter shapes of GPT-2 small (124M parameters at d=768)."""
+  shapes = {"wte": (vocab, d), "wpe": (ctx, d)}
+  for i in range(layers):
+    p = f"h{i}."
+    shapes |= {p + "ln_1.g": (d,), p + "ln_1.b": (d,), p + "attn.w": (d, 3 * d),
+               p + "attn.b": (3 * d,), p + "proj.w": (d, d), p + "proj.b": (d,),
+               p + "ln_2.g": (d,), p + "ln_2.b": (d,), p + "fc.w": (d, 4 * d),
+               p + "fc.b": (4 * d,), p + "mlp_proj.w": (4 * d, d), p + "mlp_proj.b": (d,)}
+  return shapes | {"ln_f.g": (d,), "ln_f.b": (d,)}
+
+
+def leaves_tree(n: int, size: int = 16384) -> dict:
+  return {f"l{i:04d}": (size,) for i in range(n)}
+
+
+TREES = ("gpt2", "leaves", "leaves-1000", "leaves-4000", "flat", "leaves-flat")
+
+
+def tree_shapes(name: str, scale: float) -> dict[str, tuple[int, ...]]:
+  """Shapes of a benchmark tree; ``scale`` < 1 shrinks it (sizes, and the leaf count)."""
+  if name == "gpt2":
+    d = max(128, int(768 * scale**0.5) // 128 * 128) if scale < 1 else 768
+    return gpt2_small_shapes(d=d)
+  if name.startswith("leaves") and name != "leaves-flat":
+    n = int(name.split("-")[1]) if "-" in name else 2000
+    return leaves_tree(n if scale >= 1 else max(25, int(n * scale**0.5)))
+  if name == "flat":
+    return {"flat": (max(1 << 16, int((1 << 28) * scale)),)}
+  if name == "leaves-flat":  # the leaves tree's parameters in one buffer (opt-in flat layout)
+    return {"flat": (sum(s[0] for s in tree_shapes("leaves", scale).values()),)}
+  raise ValueError(f"unknown tree {name!r}; valid trees are {TREES}")
+
+
+def make_tree(shapes, seed: int, dtype=jnp.float32):
+  key = jax.random.PRNGKey(seed)
+  return {name: jax.random.normal(jax.random.fold_in(key, i), shape, jnp.float32).astype(dtype)
+          for i, (name, shape) in enumerate(shapes.items())}
+
+
+@dataclasses.dataclass(frozen=True)
+class Opt:
+  """One optimizer case.
+
+  Attributes:
+    bytes_per_param: the minimal traffic of one fused update + apply per parameter.
+    optirs: ``(**executor kwargs) -> transformation``.
+    optax: the optax transformation with the same numbers, or None.
+    torch: ``(params, mode) -> torch optimizer``, or None.
+    dtype: the params' and gradients' dtype.
+    scaled: the gradients are of a scaled loss (a loss-scaling wrapper divides them).
+  """
+
+  bytes_per_param: int
+  optirs: Callable
+  optax: Callable | None
+  torch: Callable | None = None
+  dtype: object = jnp.float32
+  scaled: bool = False
+
+
+def _torch(cls_name, **kw):
+  def make(params, mode):
+    import torch
+    cls = getattr(torch.optim, cls_name)
+    return cls(params, **kw, **({"fused": True} if mode == "fused" else {"foreach": True}))
+  return make
+
+
+def _mixed(**o):
+  """AdamW on bfloat16 params with float32 master weights and dynamic loss scaling."""
+  return mp.with_loss_scaling(mp.master_weights(optirs_jax.adamw(1e-3, weight_decay=1e-2, **o)))
+
+
+OPTIMIZERS = {
+    "adam": Opt(28, lambda **o: optirs_jax.adam(1e-3, **o), lambda: optax.adam(1e-3),
+                _torch("Adam", lr=1e-3)),
+    "adamw": Opt(28, lambda **o: optirs_jax.adamw(1e-3, weight_decay=1e-2, **o),
+                 lambda: optax.adamw(1e-3, weight_decay=1e-2),
+                 _torch("AdamW", lr=1e-3, weight_decay=1e-2)),
+    "lamb": Opt(40, lambda **o: optirs_jax.lamb(1e-3, **o), lambda: optax.lamb(1e-3)),
+    "lion": Opt(20, lambda **o: optirs_jax.lion(1e-4, **o), lambda: optax.lion(1e-4)),
+    "sgd": Opt(20, lambda **o: optirs_jax.sgd(1e-3, momentum=0.9, **o),
+               lambda: optax.sgd(1e-3, momentum=0.9), _torch("SGD", lr=1e-3, momentum=0.9)),
+    "rmsprop": Opt(20, lambda **o: optirs_jax.rmsprop(1e-3, **o), lambda: optax.rmsprop(1e-3),
+                   _torch("RMSprop", lr=1e-3, alpha=0.9)),
+    "rmsprop_centered": Opt(28, lambda **o: optirs_jax.rmsprop(1e-3, centered=True, **o),
+                            lambda: optax.rmsprop(1e-3, centered=True),
+                            _torch("RMSprop", lr=1e-3, alpha=0.9, centered=True)),
+    "adagrad": Opt(20, lambda **o: optirs_jax.adagrad(1e-3, **o), lambda: optax.adagrad(1e-3),
+                   _torch("Adagrad", lr=1e-3)),
+    # Read g (bf16) twice (finiteness, then the step), master, mu, nu (f32); write master,
+    # mu, nu (f32) and p (bf16): 2 + 2 + 12 + 12 + 2 = 30 bytes per parameter.
+    "adamw_bf16_master": Opt(30, _mixed, None, dtype=jnp.bfloat16, scaled=True),
+}
+
+JAX_IMPLS = ("optirs-apply", "optirs-update", "optax", "optax-flatten")
+
+
+def jax_step(impl: str, opt: Opt, options=None):
+  """(transformation, step(params, state, grads) -> (params, state)) for one implementation
+  (``options``: the optirs_jax executor options).
+
+  The donated arguments come in the order of the outputs: JAX pairs each donated buffer
+  with the first unclaimed output of its shape and dtype, so ``step(g, s, p) -> (p, s)``
+  would pair the first moment with the new params and make XLA copy every state buffer.
+  """
+  if impl == "optirs-apply":
+    tx = opt.optirs(executor_options=options)
+    return tx, lambda p, s, g: optirs_jax.apply(tx, g, s, p)
+  if impl.startswith("optax") and opt.optax is None:
+    raise ValueError("optax has no equivalent of this case")
+  tx = {"optirs-update": lambda: opt.optirs(executor_options=options), "optax": opt.optax,
+        "optax-flatten": lambda: optax.flatten(opt.optax())}[impl]()
+
+  def step(p, s, g):
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  return tx, step

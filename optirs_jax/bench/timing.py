@@ -1,0 +1,91 @@
+"""How the benchmark measures: device time from the profiler, wall time per call, first call.
+
+* **Kernel time per step**: ``steps`` calls run under ``jax.profiler.trace``; the trace is
+  read back with ``jax.profiler.ProfileData`` and the durations of the events on the
+  device plane's stream lines (``/device:GPU:0``, lines named ``Stream ...``: kernels and
+  copies) are summed and divided by the steps. What the device spends, without the host's
+  dispatch and without a loop's own overhead. ``None`` where the trace has no device plane
+  (the CPU).
+* **Per-call wall time**: batches of consecutive calls of the ``jax.jit`` function (its
+  C++ fast path, what a training loop calls), the median batch per call, and the host's
+  share (the time to enqueue them).
+* **First call**: trace, lower, compile and run of the first call, wall time.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import statistics
+import tempfile
+import time
+
+
+def block(tree) -> None:
+  import jax
+  for x in jax.tree.leaves(tree):
+    x.block_until_ready()
+
+
+def time_steps(run_step, state, *, warmup: int, batches: int, per_batch: int, wait=block):
+  """Median seconds per step over ``batches`` batches of ``per_batch`` consecutive steps,
+  the state after them, and the median seconds per step the host took to enqueue them."""
+  for _ in range(warmup):
+    state = run_step(state)
+  wait(state)
+  times, host = [], []
+  for _ in range(batches):
+    t0 = time.perf_counter()
+    for _ in range(per_batch):
+      state = run_step(state)
+    host.append((time.perf_counter() - t0) / per_batch)
+    wait(state)
+    times.append((time.perf_counter() - t0) / per_batch)
+  return statistics.median(times), state, statistics.median(host)
+
+
+def device_seconds(profile_data, device: str = "/device:GPU:0") -> float | None:
+  """Seconds of device work in a profile: the summed durations of the events on the
+  device plane's stream lines, or None when it has no such plane."""
+  plane = profile_data.find_plane_with_name(device)
+  if plane is None:
+    return None
+  total_ns = 0.0
+  for line in plane.lines:
+    if line.name.startswith("Stream"):
+      total_ns += sum(event.duration_ns for event in line.events)
+  return total_ns * 1e-9
+
+
+def kernel_seconds_per_step(run_step, state, steps: int):
+  """(device seconds per step from a profiler trace of ``steps`` steps or None, state)."""
+  import jax
+  from jax.profiler import ProfileData
+  block(state)
+  with tempfile.TemporaryDirectory() as d:
+    with jax.profiler.trace(d):
+      for _ in range(steps):
+        state = run_step(state)
+      block(state)
+    files = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
+    if not files:
+      return None, state
+    seconds = device_seconds(ProfileData.from_file(files[0]))
+  return (None if seconds is None else seconds / steps), state
+
+
+def first_call(fn, *args):
+  """(the first call's outputs, its wall seconds: trace, compile and run)."""
+  t0 = time.perf_counter()
+  out = fn(*args)
+  block(out)
+  return out, time.perf_counter() - t0
+
+
+def step_memory(jitted, *args) -> int | None:
+  """Arguments + outputs - aliased + temporaries of the compiled step, in bytes."""
+  analysis = jitted.lower(*args).compile().memory_analysis()
+  if analysis is None:
+    return None
+  return int(analysis.argument_size_in_bytes + analysis.output_size_in_bytes
+             - analysis.alias_size_in_bytes + analysis.temp_size_in_bytes)
