@@ -5,7 +5,7 @@
 # Steps: env (versions), gemm (benchmarks/gemm_tflops.py), occupancy
 # (benchmarks/occupancy_vs_driver.py), tiling (benchmarks/tiling_variants.py), census
 # (benchmarks/hlo_census.py $CENSUS_ARGS), unpack (benchmarks/unpack_variants.py), policy
-# (benchmarks/policy_variants.sh), tests (the
+# (benchmarks/policy_variants.sh), sharded (benchmarks/sharded_overhead.py), tests (the
 # whole suite with the GPU visible, WORKERS pytest-xdist workers), bench (python -m
 # optirs_jax.bench $BENCH_ARGS).
 set -uo pipefail
@@ -47,7 +47,10 @@ fi
 if has tests; then
   # Several workers share the GPU (no preallocation); Triton compiles run in parallel.
   XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${TESTS_TIMEOUT:-400} python3 -m pytest -q \
-    -p no:cacheprovider -rs -n ${WORKERS:-8} "$@" 2>&1 | tee "$OUT/pytest.log" | tail -25
+    -p no:cacheprovider -p no:benchmark -rs -n ${WORKERS:-8} "$@" 2>&1 | tee "$OUT/pytest.log" | tail -25
+fi
+if has sharded; then
+  timeout ${SHARDED_TIMEOUT:-120} python3 benchmarks/sharded_overhead.py 2>&1 | tee "$OUT/sharded.txt"
 fi
 if has bench; then
   timeout ${BENCH_TIMEOUT:-400} python3 -m optirs_jax.bench ${BENCH_ARGS:-} --json "$OUT/bench.json" \

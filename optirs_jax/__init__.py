@@ -14,7 +14,7 @@ dtype('float32')
 
 from importlib import metadata as _metadata
 
-from optirs_jax import flat, mixed_precision
+from optirs_jax import flat, mixed_precision, multi_device
 from optirs_jax.apply import apply
 from optirs_jax.backends import SUPPORTED_BACKENDS, available_backends
 from optirs_jax.pallas.options import ExecutorOptions, Tiling
@@ -29,5 +29,5 @@ except _metadata.PackageNotFoundError:  # running from a source tree
 __all__ = [
     "SUPPORTED_BACKENDS", "AdagradState", "AdamState", "ExecutorOptions", "LionState",
     "RmspropState", "SgdState", "Tiling", "adagrad", "adam", "adamw", "apply",
-    "available_backends", "flat", "lamb", "lion", "mixed_precision", "rmsprop", "sgd",
+    "available_backends", "flat", "lamb", "lion", "mixed_precision", "multi_device", "rmsprop", "sgd",
 ]

@@ -86,7 +86,9 @@ class OptimizerSpec:
     arguments: ``(name, kind)`` of each argument of the public function besides
       ``backend`` and ``executor_options``, checked by kind: ``"schedule"`` (a number, a
       scalar array or a callable of the count), ``"number"``, ``"optional number"``,
-      ``"flag"``, ``"dtype"`` (``None`` or a floating dtype) or ``"mask"``.
+      ``"flag"``, ``"dtype"`` (``None`` or a floating dtype), ``"mask"``, ``"seed"`` (a
+      non-negative 32-bit int) or ``"axes"`` (``None`` or mesh axis names; an
+      ``axis_name`` argument sums a reduction's norms over them inside ``shard_map``).
     state: the state NamedTuple: ``count`` and one attribute per field.
     fields: the per-leaf state fields, in the rule's input order.
     rule: ``rule(h, g, *, p, <fields>, cast_lr, <static>) -> (u, *fields)`` in jnp, in

@@ -54,10 +54,14 @@ def test_device_time_sums_the_stream_lines_of_the_device_plane():
   assert timing.device_seconds(profile, "/device:GPU:1") is None
 
 
-def test_no_device_plane_on_cpu_gives_no_kernel_time():
+def test_kernel_time_is_read_where_there_is_a_gpu_plane():
   f = jax.jit(lambda x: x + 1, donate_argnums=0)
   seconds, x = timing.kernel_seconds_per_step(f, jax.numpy.zeros(8), 3)
-  assert seconds is None and float(x[0]) == 3.0
+  assert float(x[0]) == 3.0
+  if jax.default_backend() == "gpu":
+    assert 0 < seconds < 1e-3
+  else:
+    assert seconds is None  # no device plane on the CPU
 
 
 def test_a_tiny_run_reports_every_job(tmp_path):
@@ -71,13 +75,13 @@ def test_a_tiny_run_reports_every_job(tmp_path):
                   for i in ("optirs-apply", "optirs-update", "optax")}
   for r in report["results"]:
     assert r["ms"] > 0 and r["x_optax"] > 0 and r["first_call_s"] > 0, r
-    assert r["kernel_ms"] is None  # no device plane on the CPU
+    assert (r["kernel_ms"] is None) == (jax.default_backend() == "cpu")
   assert report["meta"]["versions"]["optax"] and "command" in report["meta"]
 
 
 def test_mixed_precision_case_and_loop_steps(tmp_path, standard_promotion):
   out = tmp_path / "bench.json"
-  assert bench.main(["--trees", "gpt2", "--optimizers", "adamw_bf16_master", "--scale",
+  assert bench.main(["--trees", "leaves", "--optimizers", "adamw_bf16_master", "--scale",
                      "0.0001", "--steps", "2", "--batches", "1", "--warmup", "1", "--no-torch",
                      "--loop-steps", "2", "--small-leaves", "pack", "--large-leaves",
                      "in-place", "--json", str(out)]) == 0

@@ -101,3 +101,28 @@ def test_a_step_donated_in_output_order_compiles_without_copies(name, leaf_polic
   step = jax.jit(lambda p, s, g: optirs_jax.apply(opt, g, s, p), donate_argnums=(0, 1))
   hlo = step.lower(params, opt.init(params), params).compile().as_text()
   assert not re.findall(r"= f32\[1048576\]\{0\} copy\(", hlo)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_triton_inside_shard_map_and_on_a_mesh(name):
+  """The kernels inside a user's shard_map (outputs declared varying like the inputs) and
+  under jit on a one-device mesh (custom_partitioning) give the unsharded numbers."""
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+  kw = KW.get(name, {})
+  gpu = getattr(optirs_jax, name)(1e-3, **kw)
+  params, grads = cases.ragged_tree(0, shapes=BIG), cases.ragged_tree(1, shapes=BIG)
+  step = lambda p, s, g: optirs_jax.apply(gpu, g, s, p)
+  want = jax.jit(step)(params, gpu.init(params), grads)
+  mesh = jax.make_mesh((1,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+  spec = lambda t: jax.tree.map(lambda _: P(), t)
+  sspec = spec(gpu.init(params))
+  mapped = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(spec(params), sspec, spec(grads)),
+                                 out_specs=(spec(params), sspec)))
+  chex.assert_trees_all_close(mapped(params, gpu.init(params), grads), want, rtol=1e-6,
+                              atol=1e-9)
+  place = lambda t: jax.device_put(t, NamedSharding(mesh, P()))
+  got = jax.jit(step)(place(params), place(gpu.init(params)), place(grads))
+  chex.assert_trees_all_close(got, want, rtol=1e-6, atol=1e-9)
+  assert "triton" in jax.jit(step).lower(place(params), place(gpu.init(params)),
+                                         place(grads)).compile().as_text().lower()

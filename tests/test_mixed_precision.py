@@ -4,6 +4,7 @@ float16 model that trains only with scaling."""
 
 import chex
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import optax

@@ -10,17 +10,23 @@ packed or in-place layout (:mod:`optirs_jax.pallas.packed`; the TPU's), or to th
 
 With ``backend="auto"`` the choice is made per platform at lowering time with
 ``jax.lax.platform_dependent``: CPU (and any other platform) runs the reference, CUDA the
-Triton kernel, TPU the Mosaic kernel.
+Triton kernel, TPU the Mosaic kernel. Only the platforms the step can run on are traced
+(:func:`lowering_targets`): on a CPU-only process the step is the reference alone, unless
+it is traced for an abstract GPU or TPU device (exporting for it).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from optirs_jax.pallas import sharding
 from optirs_jax.pallas.grouped import grouped_call
+from optirs_jax.pallas.kernel import whole_leaf
 from optirs_jax.pallas.op import ElementwiseOp, Hyper, call_rule, hyper_vector, output_dtypes
 from optirs_jax.pallas.options import DEFAULT_OPTIONS, ExecutorOptions
 from optirs_jax.pallas.packed import run_packed
@@ -44,8 +50,20 @@ def norm_dtype(x: jax.Array):
   return jnp.float64 if jnp.finfo(x.dtype).bits > 32 else jnp.float32
 
 
-def reference(op: ElementwiseOp, h: Mapping, leaves: Sequence[Leaf]):
-  """The jnp reference: the rule on each leaf, norms by ``jnp.linalg.norm``."""
+def _sum_sq(x: jax.Array) -> jax.Array:
+  return jnp.sum(jnp.real(x * jnp.conj(x)) if jnp.iscomplexobj(x) else x * x)
+
+
+def _psum_varying(x: jax.Array, value: jax.Array, axes: Sequence[str]) -> jax.Array:
+  """``value`` summed over those of ``axes`` that ``x`` varies over (inside shard_map)."""
+  over = tuple(a for a in axes if a in sharding.varying_axes(x))
+  return jax.lax.psum(value, over) if over else value
+
+
+def reference(op: ElementwiseOp, h: Mapping, leaves: Sequence[Leaf],
+              norm_axes: Sequence[str] = ()):
+  """The jnp reference: the rule on each leaf, norms by ``jnp.linalg.norm`` (or, over
+  ``norm_axes`` inside a ``shard_map``, by a ``psum`` of local sums of squares)."""
   h = Hyper(h)
   index = lambda x: jnp.arange(x.size, dtype=jnp.uint32).reshape(x.shape)
   outs = [tuple(call_rule(op, h, leaf, index(leaf[0]) if op.indexed else None))
@@ -55,61 +73,66 @@ def reference(op: ElementwiseOp, h: Mapping, leaves: Sequence[Leaf]):
   norms = []
   for leaf, out in zip(leaves, outs):
     xs = [leaf[i] for i in op.norm_inputs] + [out[i] for i in op.norm_outputs]
-    norms.append(tuple(jnp.linalg.norm(x).astype(norm_dtype(leaf[0])) for x in xs))
+    if norm_axes:
+      values = [jnp.sqrt(_psum_varying(leaf[0], _sum_sq(x), norm_axes)) for x in xs]
+    else:
+      values = [jnp.linalg.norm(x) for x in xs]
+    norms.append(tuple(v.astype(norm_dtype(leaf[0])) for v in values))
   return outs, norms
 
 
-def _route(op: ElementwiseOp, leaf: Leaf, platform: str, options: ExecutorOptions,
-           large_on_reference: bool) -> str:
-  """``"reference"``, ``"group"`` or ``"packed"`` (the packed or in-place layout)."""
+def _route(op: ElementwiseOp, leaf: Leaf, platform: str, options: ExecutorOptions) -> str:
+  """``"group"`` or ``"packed"`` (the packed or in-place layout) for a kernel leaf."""
   tiling = options.tiling(platform)
-  if not all(x.dtype in KERNEL_DTYPES[platform] for x in leaf) or leaf[0].size == 0:
-    return "reference"
   groups = options.groups(platform)
   if runs_in_place(leaf[0].size, solo_min_elements=options.solo_min_blocks * tiling.block_elems,
                    solo_multiple=tiling.lanes):
-    if large_on_reference:
-      return "reference"
     fits = leaf[0].size <= MAX_GROUPED_LEAF_ELEMENTS
     return "group" if groups and options.large_leaf_policy == "group" and fits else "packed"
+  return "group" if groups else "packed"
+
+
+def _on_reference(op: ElementwiseOp, leaf: Leaf, platform: str, options: ExecutorOptions,
+                  large_on_reference: bool) -> bool:
+  """Whether a leaf runs on the reference inside a kernel branch: dtypes the kernel does
+  not take, empty leaves, the policies' choices, and (for an indexed op) a leaf that would
+  be packed with others and lose its element index."""
+  if not all(x.dtype in KERNEL_DTYPES[platform] for x in leaf) or leaf[0].size == 0:
+    return True
+  tiling = options.tiling(platform)
+  large = runs_in_place(leaf[0].size,
+                        solo_min_elements=options.solo_min_blocks * tiling.block_elems,
+                        solo_multiple=tiling.lanes)
+  if large:
+    return large_on_reference
   if options.small_leaf_policy == "reference":  # a leaf the default plan would pack
-    return "reference"
-  if groups:
-    return "group"
-  # An indexed op needs each element's index in its leaf: a leaf packed with others (not in
-  # place under the "solo" policy either) runs on the reference instead.
-  solo = options.small_leaf_policy == "solo" and runs_in_place(
-      leaf[0].size, solo_min_elements=tiling.block_elems, solo_multiple=tiling.lanes)
-  return "reference" if op.indexed and not solo else "packed"
+    return True
+  if op.indexed and not options.groups(platform):
+    solo = options.small_leaf_policy == "solo" and runs_in_place(
+        leaf[0].size, solo_min_elements=tiling.block_elems, solo_multiple=tiling.lanes)
+    return not solo
+  return False
 
 
-def _kernels(op: ElementwiseOp, h: Mapping, leaves: Sequence[Leaf], platform: str,
-             options: ExecutorOptions, large_on_reference: bool = False):
-  routes = [_route(op, leaf, platform, options, large_on_reference) for leaf in leaves]
+def _local_kernels(op: ElementwiseOp, platform: str, options: ExecutorOptions, hvec, leaves,
+                   out_dtypes):
+  """The kernels on (local) leaves: per leaf the outputs and the float32 sums of squares
+  of the op's norm sources. (Interpret mode cannot run on varying operands inside a
+  ``shard_map`` that checks them: there the kernel's math runs in jnp, leaf by leaf.)"""
+  if platform == "interpret" and any(sharding.varying_axes(x) for leaf in leaves for x in leaf):
+    results = [whole_leaf(op, hvec, leaf, dts) for leaf, dts in zip(leaves, out_dtypes)]
+    return [r[0] for r in results], [r[1] for r in results]
+  routes = [_route(op, leaf, platform, options) for leaf in leaves]
   outs: list = [None] * len(leaves)
-  norms: list = [None] * len(leaves)
-  picked = lambda route: [i for i, r in enumerate(routes) if r == route]
-  if ref_idx := picked("reference"):
-    r_outs, r_norms = reference(op, h, [leaves[i] for i in ref_idx])
-    for j, i in enumerate(ref_idx):
-      outs[i] = r_outs[j]
-      norms[i] = r_norms[j] if r_norms is not None else None
-  if len(ref_idx) == len(leaves):
-    return outs, (norms if op.has_norms else None)
-  hvec = hyper_vector(h, op.hyper)
-  out_dtypes = output_dtypes(op, h, leaves)
+  sums: list = [()] * len(leaves)
 
-  def set_norms(members, partials, owner):
-    # Each norm is rounded to its array's dtype, as jnp.linalg.norm of that array would be.
-    sums = [jax.ops.segment_sum(part, jnp.asarray(owner), num_segments=len(members),
-                                indices_are_sorted=True) for part in partials]
+  def set_sums(members, partials, owner):
+    # Each leaf owns a contiguous run of blocks: static slices, no index array.
+    starts = np.concatenate([[0], np.cumsum(np.bincount(owner, minlength=len(members)))])
     for j, i in enumerate(members):
-      dtypes = ([leaves[i][k].dtype for k in op.norm_inputs]
-                + [out_dtypes[i][k] for k in op.norm_outputs])
-      norms[i] = tuple(jnp.sqrt(s[j]).astype(dt).astype(norm_dtype(leaves[i][0]))
-                       for s, dt in zip(sums, dtypes))
+      sums[i] = tuple(jnp.sum(part[starts[j]:starts[j + 1]]) for part in partials)
 
-  if g_idx := picked("group"):
+  if g_idx := [i for i, r in enumerate(routes) if r == "group"]:
     tiling = options.grouped_tiling
     n_ops = len(leaves[g_idx[0]]) + len(out_dtypes[g_idx[0]])
     for call in plan_grouped_calls([leaves[i][0].size for i in g_idx],
@@ -122,9 +145,9 @@ def _kernels(op: ElementwiseOp, h: Mapping, leaves: Sequence[Leaf], platform: st
       for i, res in zip(members, results):
         outs[i] = tuple(y.reshape(leaves[i][0].shape) for y in res)
       if partials:
-        set_norms(members, partials, call.block_owner())
+        set_sums(members, partials, call.block_owner())
 
-  if p_idx := picked("packed"):
+  if p_idx := [i for i, r in enumerate(routes) if r == "packed"]:
     tiling = options.tiling(platform)
     solo_min = 1 if options.small_leaf_policy == "solo" else options.solo_min_blocks
     p_outs, parts = run_packed(op, hvec, [leaves[i] for i in p_idx],
@@ -133,8 +156,57 @@ def _kernels(op: ElementwiseOp, h: Mapping, leaves: Sequence[Leaf], platform: st
     for j, i in enumerate(p_idx):
       outs[i] = p_outs[j]
     for members, partials, owner in parts:
-      set_norms([p_idx[k] for k in members], partials, owner)
+      set_sums([p_idx[k] for k in members], partials, owner)
+  return outs, sums
+
+
+def _kernels(op: ElementwiseOp, h: Mapping, leaves: Sequence[Leaf], platform: str,
+             options: ExecutorOptions, large_on_reference: bool = False,
+             norm_axes: Sequence[str] = ()):
+  on_ref = [_on_reference(op, leaf, platform, options, large_on_reference) for leaf in leaves]
+  outs: list = [None] * len(leaves)
+  norms: list = [None] * len(leaves)
+  if ref_idx := [i for i, r in enumerate(on_ref) if r]:
+    r_outs, r_norms = reference(op, h, [leaves[i] for i in ref_idx], norm_axes)
+    for j, i in enumerate(ref_idx):
+      outs[i] = r_outs[j]
+      norms[i] = r_norms[j] if r_norms is not None else None
+  if k_idx := [i for i, r in enumerate(on_ref) if not r]:
+    k_leaves = [leaves[i] for i in k_idx]
+    out_dtypes = output_dtypes(op, h, k_leaves)
+    n_sums = len(op.norm_inputs) + len(op.norm_outputs)
+    local = lambda hvec, local_leaves: _local_kernels(op, platform, options, hvec,
+                                                      local_leaves, out_dtypes)
+    k_outs, k_sums = sharding.run_local(local, hyper_vector(h, op.hyper), k_leaves, out_dtypes,
+                                        n_sums, tuple(norm_axes))
+    for j, i in enumerate(k_idx):
+      outs[i] = k_outs[j]
+      if n_sums:
+        # Each norm is rounded to its array's dtype, as jnp.linalg.norm of it would be.
+        dtypes = ([leaves[i][k].dtype for k in op.norm_inputs]
+                  + [out_dtypes[j][k] for k in op.norm_outputs])
+        norms[i] = tuple(jnp.sqrt(s).astype(dt).astype(norm_dtype(leaves[i][0]))
+                         for s, dt in zip(k_sums[j], dtypes))
   return outs, (norms if op.has_norms else None)
+
+
+@functools.cache
+def _in_process(platform: str) -> bool:
+  try:
+    return bool(jax.devices(platform))
+  except RuntimeError:  # no such backend in this process
+    return False
+
+
+def lowering_targets() -> frozenset[str]:
+  """The kernel platforms a step traced now can run on: those this process has devices
+  of, and the platform of an abstract device being traced for (``jax.export`` under
+  ``jax.sharding.use_abstract_mesh``). Branches for other platforms are not traced."""
+  targets = {p for p in ("cuda", "tpu") if _in_process(p)}
+  device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+  if device is not None and device.platform in ("cuda", "tpu"):
+    targets.add(device.platform)
+  return frozenset(targets)
 
 
 def check_pallas_dtypes(leaves: Sequence[Leaf], paths: Sequence[str]) -> None:
@@ -150,7 +222,8 @@ def check_pallas_dtypes(leaves: Sequence[Leaf], paths: Sequence[str]) -> None:
 
 
 def execute(op: ElementwiseOp, h: Mapping, leaves: Sequence[Leaf], *, backend: str,
-            options: ExecutorOptions = DEFAULT_OPTIONS, fused_apply: bool = False):
+            options: ExecutorOptions = DEFAULT_OPTIONS, fused_apply: bool = False,
+            norm_axes: Sequence[str] = ()):
   """Runs ``op`` on every leaf with the chosen backend.
 
   Args:
@@ -162,21 +235,29 @@ def execute(op: ElementwiseOp, h: Mapping, leaves: Sequence[Leaf], *, backend: s
     options: the kernels' layout and launch options.
     fused_apply: whether the rule's first output is the new params (the fused apply path)
       rather than the updates; see ``ExecutorOptions.updates_on_reference``.
+    norm_axes: inside a ``shard_map``, the mesh axes the leaves are sharded over: a leaf's
+      norms are summed over those it varies over (outside, shardings say it).
 
   Returns:
     ``(outs, norms)``: per leaf the rule's outputs, and per leaf a tuple of norms (or None).
   """
   leaves = [tuple(leaf) for leaf in leaves]
-  ref = lambda: reference(op, h, leaves)
+  norm_axes = tuple(norm_axes)
+  ref = lambda: reference(op, h, leaves, norm_axes)
   kernel = lambda platform, on_ref=False: lambda: _kernels(op, h, leaves, platform, options,
-                                                           on_ref)
+                                                           on_ref, norm_axes)
   if backend == "jnp" or not leaves:
     return ref()
+  targets = lowering_targets()
   if backend == "auto":
     on_ref = options.updates_on_reference and not fused_apply and not op.has_norms
-    return jax.lax.platform_dependent(cpu=ref, cuda=kernel("cuda", on_ref),
-                                      tpu=kernel("tpu", on_ref), default=ref)
+    branches = {p: kernel(p, on_ref) for p in ("cuda", "tpu") if p in targets}
+    if not branches:  # nothing but the reference can run: no branch to trace
+      return ref()
+    return jax.lax.platform_dependent(cpu=ref, **branches, default=ref)
   if backend == "pallas":
-    return jax.lax.platform_dependent(cuda=kernel("cuda"), tpu=kernel("tpu"),
-                                      default=kernel("interpret"))
+    branches = {p: kernel(p) for p in ("cuda", "tpu") if p in targets}
+    if not branches:
+      return kernel("interpret")()
+    return jax.lax.platform_dependent(**branches, default=kernel("interpret"))
   raise ValueError(f"{backend=} is not one of ('auto', 'jnp', 'pallas')")

@@ -32,6 +32,7 @@ from optirs_jax.pallas.kernel import compiler_params
 from optirs_jax.pallas.op import (LANES, NHP, ElementwiseOp, block_math,
                                   partial_sum_of_squares, read_hyper)
 from optirs_jax.pallas.options import Tiling
+from optirs_jax.pallas.sharding import out_struct, vary_alike
 from optirs_jax.planning.layout import GroupedCall
 
 
@@ -102,12 +103,13 @@ def _launch(op, out_dtypes, call, tiling, platform, aliases):
   """One jitted launch per distinct configuration (the step's program calls it)."""
   n_out = len(out_dtypes[0])
   n_norms = len(op.norm_inputs) + len(op.norm_outputs)
-  out_shape = [jax.ShapeDtypeStruct((size,), dt)
-               for size, dts in zip(call.sizes, out_dtypes) for dt in dts]
-  out_shape += [jax.ShapeDtypeStruct((call.num_blocks, 1, LANES), jnp.float32)] * n_norms
 
   def launch(hvec, *operands):
     n_in = len(operands) // len(call.sizes)
+    hvec, *operands = vary_alike([hvec, *operands])  # inside shard_map: vary as inputs do
+    out_shape = [out_struct(operands[k * n_in], (size,), dt)
+                 for k, (size, dts) in enumerate(zip(call.sizes, out_dtypes)) for dt in dts]
+    out_shape += [out_struct(operands[0], (call.num_blocks, 1, LANES), jnp.float32)] * n_norms
     whole = pl.BlockSpec()
     io_aliases = {1 + k * n_in + i: k * n_out + o
                   for k, alias in enumerate(aliases) for i, o in alias}

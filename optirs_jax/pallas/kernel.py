@@ -27,6 +27,7 @@ from jax.experimental.pallas import triton as pltriton
 from optirs_jax.pallas.op import (NHP, ElementwiseOp, block_math, partial_sum_of_squares,
                                   read_hyper)
 from optirs_jax.pallas.options import Tiling
+from optirs_jax.pallas.sharding import out_struct, vary_alike
 
 
 def compiler_params(platform: str, tiling: Tiling):
@@ -109,8 +110,9 @@ def _call(op, hvec, inputs, out_dtypes, block_shape, *, platform, tiling, aliase
   else:
     hspec = pl.BlockSpec((NHP,), lambda i: (0,))
   n_norms = len(op.norm_inputs) + len(op.norm_outputs)
-  out_shape = [jax.ShapeDtypeStruct(inputs[0].shape, dt) for dt in out_dtypes]
-  out_shape += [jax.ShapeDtypeStruct((num_blocks, 1, tiling.lanes), jnp.float32)] * n_norms
+  hvec, *inputs = vary_alike([hvec, *inputs])  # inside shard_map: outputs vary as inputs do
+  out_shape = [out_struct(inputs[0], inputs[0].shape, dt) for dt in out_dtypes]
+  out_shape += [out_struct(inputs[0], (num_blocks, 1, tiling.lanes), jnp.float32)] * n_norms
   # The grid covers whole blocks only; rows past the last whole block (a leaf used in place
   # whose size is not a multiple of the block) are computed below and written in place.
   results = pl.pallas_call(
@@ -133,6 +135,17 @@ def _call(op, hvec, inputs, out_dtypes, block_shape, *, platform, tiling, aliase
   data = [y.at[start:].set(t) for y, t in zip(results[:n_out], tail[:n_out])]
   partials = [jnp.concatenate([p, t]) for p, t in zip(results[n_out:], tail[n_out:])]
   return tuple(data + partials)
+
+
+def whole_leaf(op: ElementwiseOp, hvec: jax.Array, leaf: Sequence[jax.Array], out_dtypes):
+  """The kernel's math on a whole leaf in jnp (what interpret mode runs inside a
+  ``shard_map``, where Pallas' interpreter cannot check varying axes): its outputs and the
+  float32 sums of squares of the op's norm sources."""
+  flat = [x.reshape(-1) for x in leaf]
+  index = block_index(flat[0].shape) if op.indexed else None
+  outs, sources = block_math(op, read_hyper(hvec, op.hyper), flat, out_dtypes, index)
+  return (tuple(y.reshape(leaf[0].shape) for y in outs),
+          tuple(jnp.sum(x * x) for x in sources))
 
 
 def _tail(op, hvec, inputs, out_dtypes, start):

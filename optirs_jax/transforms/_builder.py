@@ -37,6 +37,7 @@ _CHECKS = {
     "dtype": None,  # canonicalized below
     "mask": None,  # a tree of bools, a callable or None: checked against the tree in update
     "seed": c.check_seed,
+    "axes": c.check_axes,
 }
 
 
@@ -71,6 +72,8 @@ def build(spec: OptimizerSpec, arguments: Mapping[str, Any]) -> optax.GradientTr
   fields = tuple(f for f in spec.fields if f.exists(options))
   names = tuple(f.name for f in fields)
   seed = options["rounding_seed"] if options.get("stochastic_rounding") else None  # traced ok
+  axes = options.get("axis_name")
+  norm_axes = () if axes is None else ((axes,) if isinstance(axes, str) else tuple(axes))
 
   def init_fn(params):
     c.flatten(fn, "params", params)
@@ -134,7 +137,7 @@ def build(spec: OptimizerSpec, arguments: Mapping[str, Any]) -> optax.GradientTr
       if backend == "pallas":
         check_pallas_dtypes(leaves, [paths[i] for i in idx])
       o, n = execute(op, h, leaves, backend=backend, options=executor_options,
-                     fused_apply=fused and spec.reduction is None)
+                     fused_apply=fused and spec.reduction is None, norm_axes=norm_axes)
       for j, i in enumerate(idx):
         outs[i], norms[i] = o[j], (n[j] if n is not None else None)
 

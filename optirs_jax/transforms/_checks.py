@@ -66,6 +66,15 @@ def check_seed(fn: str, name: str, value: Any) -> None:
     raise ValueError(f"{fn}: {name}={value!r} must be a non-negative 32-bit int")
 
 
+def check_axes(fn: str, name: str, value: Any) -> None:
+  """``None``, a mesh axis name, or a tuple of them."""
+  names = (value,) if isinstance(value, str) else value
+  if value is not None and not (isinstance(names, tuple) and names
+                                and all(isinstance(n, str) for n in names)):
+    raise ValueError(f"{fn}: {name}={value!r} must be None, a mesh axis name or a tuple of "
+                     "them")
+
+
 def check_backend(fn: str, backend: str) -> str:
   try:
     return validate_backend(backend)

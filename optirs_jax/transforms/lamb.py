@@ -17,7 +17,8 @@ LAMB = OptimizerSpec(
     name="lamb",
     arguments=(("learning_rate", "schedule"), ("b1", "number"), ("b2", "number"),
                ("eps", "number"), ("eps_root", "number"), ("mu_dtype", "dtype"),
-               ("nu_dtype", "dtype"), ("weight_decay", "schedule"), ("mask", "mask")) + ROUNDING,
+               ("nu_dtype", "dtype"), ("weight_decay", "schedule"), ("mask", "mask"),
+               ("axis_name", "axes")) + ROUNDING,
     state=AdamState,
     fields=ADAM_FIELDS,
     rule=rules.adam_rule,
@@ -34,7 +35,8 @@ def lamb(learning_rate: optax.ScalarOrSchedule, b1: jax.typing.ArrayLike = 0.9,
          b2: jax.typing.ArrayLike = 0.999, eps: jax.typing.ArrayLike = 1e-6,
          eps_root: jax.typing.ArrayLike = 0.0, weight_decay: optax.ScalarOrSchedule = 0.0,
          mask: Any = None, *, mu_dtype: Any | None = None, nu_dtype: Any | None = None,
-         stochastic_rounding: bool = False, rounding_seed: int = 0, backend: str = "auto",
+         stochastic_rounding: bool = False, rounding_seed: int = 0,
+         axis_name: str | tuple[str, ...] | None = None, backend: str = "auto",
          executor_options: ExecutorOptions | None = None
          ) -> optax.GradientTransformationExtraArgs:
   r"""LAMB: Adam with a layer-wise trust ratio; the same numbers as :func:`optax.lamb`.
@@ -56,6 +58,10 @@ def lamb(learning_rate: optax.ScalarOrSchedule, b1: jax.typing.ArrayLike = 0.9,
       lamb has neither dtype option; ``None`` keeps optax's dtypes).
     weight_decay: the decay :math:`\lambda` (a number or a schedule).
     mask: where the decay applies (the trust ratio applies to every leaf).
+    axis_name: inside a ``shard_map`` whose leaves are sharded over these mesh axes, the
+      norms are of the whole leaves (partial sums of squares added over the axes each leaf
+      varies over); ``None``: of the local arrays. Under ``jax.jit`` with sharded arrays
+      the norms are always of the whole leaves.
 
   Returns:
     An :class:`optax.GradientTransformationExtraArgs` with state

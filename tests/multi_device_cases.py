@@ -1,0 +1,301 @@
+"""Multi-device cases, run on 8 CPU devices by tests/test_multi_device.py (in a process of
+their own: the device count is fixed when jax starts)."""
+
+import re
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import optirs_jax
+from optirs_jax import multi_device as md
+
+pytestmark = pytest.mark.skipif(jax.device_count() != 8,
+                                reason="needs 8 devices (tests/test_multi_device.py starts "
+                                       "this module with 8 CPU devices)")
+
+NAMES = ["adam", "adamw", "lamb", "lion", "sgd", "rmsprop", "adagrad"]
+KW = {"sgd": {"momentum": 0.9}, "rmsprop": {"centered": True, "momentum": 0.9},
+      "adamw": {"weight_decay": 0.1}, "lamb": {"weight_decay": 0.01}}
+SHAPES = {"w": (16, 24), "m": (8, 8, 5), "v": (40,), "s": ()}
+MESHES = [(1, 8), (2, 4), (8, 1)]
+
+
+def tree(seed, shapes=SHAPES):
+  keys = jax.random.split(jax.random.PRNGKey(seed), len(shapes))
+  return {k: jax.random.normal(key, s) for key, (k, s) in zip(keys, shapes.items())}
+
+
+def layouts(kind):
+  """Per-leaf PartitionSpecs: data parallel (replicated), FSDP (dim 0 over both axes),
+  tensor parallel (the last dim over one axis)."""
+  return {"dp": {"w": P(), "m": P(), "v": P(), "s": P()},
+          "fsdp": {"w": P(("a", "b")), "m": P(("a", "b")), "v": P(("a", "b")), "s": P()},
+          "tp": {"w": P("a", "b"), "m": P(None, "a"), "v": P("b"), "s": P()}}[kind]
+
+
+def opt(name, backend, **kw):
+  return getattr(optirs_jax, name)(1e-2, **KW.get(name, {}), **kw, backend=backend)
+
+
+def place(t, mesh, specs):
+  return jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), t, specs)
+
+
+def state_specs(state, specs):
+  """The state's specs: each params-shaped field like the params, the rest replicated."""
+  return jax.tree.map(lambda x: P(), state) if specs is None else type(state)(**{
+      f: (specs if isinstance(v, dict) else None if v is None else P())
+      for f, v in state._asdict().items()})
+
+
+# Auto axes on every mesh and layout; Explicit axes on the 2x4 mesh, sharded layouts.
+PLACEMENTS = [(shape, layout, "Auto") for shape in MESHES for layout in ("fsdp", "tp", "dp")]
+PLACEMENTS += [((2, 4), layout, "Explicit") for layout in ("fsdp", "tp")]
+
+
+@pytest.mark.parametrize("shape, layout, axis_type", PLACEMENTS,
+                         ids=lambda v: f"{v[0]}x{v[1]}" if isinstance(v, tuple) else v)
+@pytest.mark.parametrize("backend", ["jnp", "pallas"])
+@pytest.mark.parametrize("name", NAMES)
+def test_sharded_step_equals_unsharded_and_keeps_shardings(name, backend, shape, layout,
+                                                           axis_type):
+  mesh = jax.make_mesh(shape, ("a", "b"), axis_types=(getattr(AxisType, axis_type),) * 2)
+  specs = layouts(layout)
+  params, grads = tree(0), jax.tree.map(lambda x: 0.5 * x + 0.1, tree(1))
+  tx = opt(name, backend)
+  fused = jax.jit(lambda p, s, g: optirs_jax.apply(tx, g, s, p))
+
+  def contract(p, s, g):
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  contract = jax.jit(contract)
+  want_f = fused(params, tx.init(params), grads)
+  want_c = contract(params, tx.init(params), grads)
+  with jax.set_mesh(mesh):
+    p, g = place(params, mesh, specs), place(grads, mesh, specs)
+    s = place(tx.init(params), mesh, state_specs(tx.init(params), specs))
+    for step, want in ((fused, want_f), (contract, want_c)):
+      got = step(p, s, g)
+      chex.assert_trees_all_close(got, want, rtol=1e-6, atol=1e-7)
+      for x, spec in zip(jax.tree.leaves(got[0]), jax.tree.leaves(
+          specs, is_leaf=lambda z: isinstance(z, P))):
+        assert x.sharding.is_equivalent_to(NamedSharding(mesh, spec), x.ndim), (x.sharding,
+                                                                                spec)
+      hlo = step.lower(p, s, g).compile().as_text()
+      # Nothing is gathered; only LAMB's per-leaf norms cross devices (scalars).
+      assert "all-gather" not in hlo
+      reduced = re.findall(r"= (\S+) all-reduce\(", hlo)
+      if name == "lamb":  # one scalar (or a tuple of scalars) per leaf and norm
+        assert all(re.fullmatch(r"\(?(f32\[\],? ?)+\)?", t) for t in reduced), reduced
+      else:
+        assert not reduced, reduced
+
+
+@pytest.mark.parametrize("backend", ["auto", "jnp", "pallas"])
+@pytest.mark.parametrize("name", NAMES)
+def test_inside_shard_map_every_backend_runs_on_the_local_shards(name, backend):
+  """FSDP inside a user's shard_map: the same numbers as the unsharded step; LAMB told the
+  axis computes whole-leaf norms, and per local array without it."""
+  mesh = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Explicit,))
+  specs = {"w": P("d"), "m": P("d"), "v": P("d"), "s": P()}
+  params, grads = tree(0), jax.tree.map(lambda x: 0.5 * x + 0.1, tree(1))
+  kw = {"axis_name": "d"} if name == "lamb" else {}
+  tx = opt(name, backend, **kw)
+  want = jax.jit(lambda p, s, g: optirs_jax.apply(tx, g, s, p))(params, tx.init(params), grads)
+  sspec = state_specs(tx.init(params), specs)
+  step = jax.jit(jax.shard_map(lambda p, s, g: optirs_jax.apply(tx, g, s, p), mesh=mesh,
+                               in_specs=(specs, sspec, specs), out_specs=(specs, sspec)))
+  with jax.set_mesh(mesh):
+    got = step(place(params, mesh, specs), place(tx.init(params), mesh, sspec),
+               place(grads, mesh, specs))
+  chex.assert_trees_all_close(got, want, rtol=1e-6, atol=1e-7)
+  if name == "lamb":  # without the axis, the trust ratio is per local shard: different
+    local = opt(name, backend)
+    step = jax.jit(jax.shard_map(lambda p, s, g: optirs_jax.apply(local, g, s, p), mesh=mesh,
+                                 in_specs=(specs, sspec, specs), out_specs=(specs, sspec)))
+    with jax.set_mesh(mesh):
+      other = step(place(params, mesh, specs), place(tx.init(params), mesh, sspec),
+                   place(grads, mesh, specs))
+    assert not np.allclose(np.asarray(other[0]["w"]), np.asarray(want[0]["w"]), rtol=1e-6)
+
+
+def in_shard_map(fn, *args, specs, out_specs, axes=("d",), n=8):
+  mesh = jax.make_mesh((n,), axes, axis_types=(AxisType.Auto,))
+  return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=out_specs))(*args)
+
+
+def test_sync_gradients_mean_and_sum():
+  g = jnp.arange(16.0).reshape(8, 2)
+  mean = in_shard_map(lambda x: md.sync_gradients({"g": x}, "d")["g"], g, specs=P("d"),
+                      out_specs=P())
+  total = in_shard_map(lambda x: md.sync_gradients({"g": x}, "d", op="sum")["g"], g,
+                       specs=P("d"), out_specs=P())
+  np.testing.assert_allclose(mean, g.mean(0, keepdims=True))
+  np.testing.assert_allclose(total, g.sum(0, keepdims=True))
+  tx = md.sync_gradients_transform("d")
+  u = in_shard_map(lambda x: tx.update({"g": x}, tx.init({"g": x}))[0]["g"], g, specs=P("d"),
+                   out_specs=P())
+  np.testing.assert_allclose(u, mean)
+
+
+def test_sync_errors_name_the_axis_and_the_op():
+  with pytest.raises(ValueError, match=r"axis_name 'data' is not an axis of the surrounding "
+                                       r"shard_map or pmap \(its axes: \('d',\)\)"):
+    in_shard_map(lambda x: md.sync_gradients(x, "data"), jnp.ones(8), specs=P("d"),
+                 out_specs=P())
+  with pytest.raises(ValueError, match=r"op='max' is not one of \('mean', 'sum'\)"):
+    md.sync_gradients(jnp.ones(2), "d", op="max")
+  with pytest.raises(ValueError, match="axis_name 'd' is not an axis"):
+    md.sync_gradients(jnp.ones(2), "d")  # outside any shard_map
+
+
+@pytest.mark.parametrize("bad, match", [
+    (lambda: md.top_k_compression(0.0, axis_name="d"), r"ratio=0.0 must be in \(0, 1\]"),
+    (lambda: md.top_k_compression(1.5, axis_name="d"), r"ratio=1.5 must be in \(0, 1\]"),
+    (lambda: md.top_k_compression(0.1, axis_name="d", warmup_steps=-1), "warmup_steps=-1"),
+    (lambda: md.powersgd(0, axis_name="d"), "rank=0 must be an int >= 1"),
+    (lambda: optirs_jax.lamb(1e-3, axis_name=3), "axis_name=3 must be None"),
+])
+def test_bad_compression_arguments(bad, match):
+  with pytest.raises(ValueError, match=match):
+    bad()
+
+
+def run_compressor(tx, grads_per_device, state=None, axis=8):
+  """One update of ``tx`` inside shard_map over ``axis`` devices: (update, state)."""
+  g = {"w": grads_per_device}
+  init = lambda x: tx.init({"w": x[0]})
+  mesh = jax.make_mesh((axis,), ("d",), axis_types=(AxisType.Auto,))
+  sm = lambda f, i, o: jax.jit(jax.shard_map(f, mesh=mesh, in_specs=i, out_specs=o))
+  if state is None:
+    probe = tx.init({"w": grads_per_device[0]})
+    specs = md.state_partition_specs(probe, "d")
+    state = sm(init, P("d"), specs)(grads_per_device)
+  specs = md.state_partition_specs(state, "d")
+  return sm(lambda g, s: tx.update({"w": g["w"][0]}, s), ({"w": P("d")}, specs),
+            ({"w": P()}, specs))(g, state)
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_top_k_sends_exactly_what_it_drops_from_the_residual(momentum):
+  tx = md.top_k_compression(0.1, axis_name="d", momentum=momentum)
+  keys = jax.random.split(jax.random.PRNGKey(0), 3)
+  grads = [jax.random.normal(k, (1, 30, 7)) for k in keys]
+  state = None
+  for g in grads:  # one device: the update is what it sent
+    old = state
+    update, state = run_compressor(tx, g, state, axis=1)
+    old_v = old.residual["w"][0] if old else jnp.zeros((30, 7))
+    old_u = old.velocity["w"][0] if old and momentum else jnp.zeros((30, 7))
+    added = momentum * old_u + g[0] if momentum else g[0]
+    if momentum:  # the velocity's multiply-add may contract into an FMA in the step
+      np.testing.assert_allclose(update["w"] + state.residual["w"][0], old_v + added,
+                                 rtol=1e-6, atol=1e-6)
+    else:  # sent + new residual == old residual + gradient, exactly
+      np.testing.assert_array_equal(update["w"] + state.residual["w"][0], old_v + added)
+    assert int(jnp.sum(update["w"] != 0)) == 21  # ceil(0.1 * 210)
+  stats = md.compression_stats(state)
+  assert float(stats["bytes_sent"]) == 21 * 8 and float(stats["dense_bytes"]) == 210 * 4
+  assert float(stats["compression_ratio"]) == pytest.approx(5.0)
+
+
+def test_top_k_update_is_the_mean_of_what_every_device_sent():
+  tx = md.top_k_compression(0.05, axis_name="d", momentum=0.0)
+  g = jax.random.normal(jax.random.PRNGKey(1), (8, 64))
+  update, state = run_compressor(tx, g)
+  sent = g - state.residual["w"]  # per device: v = g at the first step
+  np.testing.assert_allclose(update["w"], jnp.mean(sent, 0), rtol=1e-6, atol=1e-7)
+  assert all(int(jnp.sum(s != 0)) == 4 for s in sent)
+
+
+def test_top_k_warm_up_raises_the_sparsity_in_four_stages():
+  tx = md.top_k_compression(1 / 16, axis_name="d", momentum=0.0, warmup_steps=8)
+  assert md._compression.densities(1 / 16, 8) == (0.5, 0.25, 0.125, 0.0625)
+  state, sent = None, []
+  for _ in range(10):
+    _, state = run_compressor(tx, jnp.ones((1, 64)), state, axis=1)
+    sent.append(float(md.compression_stats(state)["bytes_sent"]) / 8)
+  assert sent == [32, 32, 16, 16, 8, 8, 4, 4, 4, 4]
+
+
+def test_powersgd_is_exact_on_low_rank_gradients_and_keeps_its_error():
+  tx = md.powersgd(rank=2, axis_name="d")
+  u, v = jax.random.normal(jax.random.PRNGKey(2), (2, 40, 2))
+  g = jnp.stack([(u @ v.T) * (1 + 0.1 * i) for i in range(8)])  # rank 2 on every device
+  update, state = run_compressor(tx, g)
+  np.testing.assert_allclose(update["w"], jnp.mean(g, 0), rtol=1e-4, atol=1e-4)
+  np.testing.assert_allclose(state.error["w"], g - update["w"][None], rtol=1e-4, atol=1e-4)
+  stats = md.compression_stats(state)
+  assert float(stats["bytes_sent"]) == 4 * (40 + 40) * 2
+  assert float(stats["compression_ratio"]) == pytest.approx(1600 / 160)
+
+
+def test_powersgd_sends_vectors_whole_and_waits_for_start_step():
+  tx = md.powersgd(rank=1, axis_name="d", start_step=1)
+  g = jax.random.normal(jax.random.PRNGKey(3), (8, 16, 8))
+  update, state = run_compressor(tx, g)  # step 0 < start_step: plain mean
+  np.testing.assert_allclose(update["w"], jnp.mean(g, 0), rtol=1e-6)
+  assert float(md.compression_stats(state)["compression_ratio"]) == 1.0
+  vec = jax.random.normal(jax.random.PRNGKey(4), (8, 5))
+  update, state = run_compressor(md.powersgd(axis_name="d"), vec)
+  np.testing.assert_allclose(update["w"], jnp.mean(vec, 0), rtol=1e-6)
+
+
+def train_data_parallel(tx, steps=300):
+  """A small MLP regressing a noisy target, trained data-parallel over 8 devices (64
+  examples each): the final full-batch loss, which the label noise floors at about 0.01."""
+  kx, kw, kn = jax.random.split(jax.random.PRNGKey(5), 3)
+  x = jax.random.normal(kx, (512, 16))
+  y = jnp.tanh(x @ jax.random.normal(kw, (16, 1)) / 4) + 0.1 * jax.random.normal(kn, (512, 1))
+  k1, k2 = jax.random.split(jax.random.PRNGKey(6))
+  params = {"w1": jax.random.normal(k1, (16, 64)) / 4, "b1": jnp.zeros(64),
+            "w2": jax.random.normal(k2, (64, 1)) / 8, "b2": jnp.zeros(1)}
+  loss = lambda p, x, y: jnp.mean(
+      (jnp.tanh(x @ p["w1"] + p["b1"][None]) @ p["w2"] + p["b2"][None] - y) ** 2)
+  mesh = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Auto,))
+  probe = jax.eval_shape(tx.init, params)
+  specs = md.state_partition_specs(probe, "d")
+  pspec = jax.tree.map(lambda _: P(), params)
+  init = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=(pspec,), out_specs=specs))
+
+  def local_step(p, s, x, y):
+    # Per-device gradients: differentiate at a varying copy of the replicated params (at
+    # the params themselves JAX would already sum the gradients over the devices).
+    varying = jax.tree.map(lambda v: jax.lax.pcast(v, ("d",), to="varying"), p)
+    g = jax.grad(loss)(varying, x, y)
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  step = jax.jit(jax.shard_map(local_step, mesh=mesh, in_specs=(pspec, specs, P("d"), P("d")),
+                               out_specs=(pspec, specs)))
+  state = init(params)
+  for _ in range(steps):
+    # One step at a time: CPU collectives of queued steps can starve a 2-core machine.
+    params, state = jax.block_until_ready(step(params, state, x, y))
+  return float(loss(params, x, y))
+
+
+def test_compressed_training_converges_like_uncompressed():
+  """Error-feedback top-k (10% of the entries) against the same SGD uncompressed, and
+  PowerSGD (rank 4) against the same momentum SGD: final losses within 2%. (With DGC's
+  momentum correction and masking the optimizer is a different one: it ends near plain
+  SGD, not momentum SGD, on this model.)"""
+  steps = 1000
+  sgd = train_data_parallel(optax.chain(md.sync_gradients_transform("d"), optirs_jax.sgd(0.1)),
+                            steps)
+  top_k = train_data_parallel(optax.chain(
+      md.top_k_compression(0.1, axis_name="d", momentum=0.0), optirs_jax.sgd(0.1)), steps)
+  momentum = train_data_parallel(optax.chain(md.sync_gradients_transform("d"),
+                                             optirs_jax.sgd(0.1, momentum=0.9)), steps)
+  power = train_data_parallel(optax.chain(md.powersgd(rank=4, axis_name="d"),
+                                          optirs_jax.sgd(0.1, momentum=0.9)), steps)
+  assert momentum < sgd < 0.02, (momentum, sgd)
+  assert abs(top_k - sgd) <= 0.02 * sgd, (sgd, top_k)
+  assert abs(power - momentum) <= 0.02 * momentum, (momentum, power)
