@@ -15,8 +15,7 @@ import time
 
 import jax
 
-from optirs_jax import bench
-from optirs_jax import ExecutorOptions
+from optirs_jax import ExecutorOptions, bench
 
 # name = type op(...); a tuple type holds spaces, so the op is the first word before "(".
 LINE = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = .*?\s([a-z][\w\-]*)\(")

@@ -16,8 +16,12 @@ import itertools
 import json
 import sys
 
-from optirs_jax.planning.occupancy import (KernelResourceUsage, SmResourceLimits,
-                                           best_block_size, calculate_occupancy)
+from optirs_jax.planning.occupancy import (
+  KernelResourceUsage,
+  SmResourceLimits,
+  best_block_size,
+  calculate_occupancy,
+)
 
 ATTR_MAX_THREADS, ATTR_SHARED, ATTR_NUM_REGS = 0, 1, 4
 ATTR_MAX_DYN_SHARED, ATTR_CARVEOUT = 8, 9

@@ -2,9 +2,9 @@
 
     PYTHONPATH=. python3 benchmarks/tiling_variants.py
 
-Each variant sets the packed and in-place kernels' CUDA tiling, builds a fresh step, and reports ms, % of the copy
-bandwidth measured in the same run, and how many copies the compiled program holds (an
-aliasing the compiler could not honour shows up as a copy).
+Each variant sets the packed and in-place kernels' CUDA tiling, builds a fresh step, and
+reports ms, % of the copy bandwidth measured in the same run, and how many copies the
+compiled program holds (an aliasing the compiler could not honour shows up as a copy).
 """
 
 import re

@@ -18,8 +18,20 @@ from optirs_jax import flat, mixed_precision, multi_device
 from optirs_jax.apply import apply
 from optirs_jax.backends import SUPPORTED_BACKENDS, available_backends
 from optirs_jax.pallas.options import ExecutorOptions, Tiling
-from optirs_jax.transforms import (AdagradState, AdamState, LionState, RmspropState, SgdState,
-                                   adagrad, adam, adamw, lamb, lion, rmsprop, sgd)
+from optirs_jax.transforms import (
+  AdagradState,
+  AdamState,
+  LionState,
+  RmspropState,
+  SgdState,
+  adagrad,
+  adam,
+  adamw,
+  lamb,
+  lion,
+  rmsprop,
+  sgd,
+)
 
 try:
   __version__ = _metadata.version("optirs_jax")
@@ -29,5 +41,6 @@ except _metadata.PackageNotFoundError:  # running from a source tree
 __all__ = [
     "SUPPORTED_BACKENDS", "AdagradState", "AdamState", "ExecutorOptions", "LionState",
     "RmspropState", "SgdState", "Tiling", "adagrad", "adam", "adamw", "apply",
-    "available_backends", "flat", "lamb", "lion", "mixed_precision", "multi_device", "rmsprop", "sgd",
+    "available_backends", "flat", "lamb", "lion", "mixed_precision", "multi_device", "rmsprop",
+    "sgd",
 ]

@@ -48,6 +48,18 @@ from optirs_jax.planning.layout import plan_layout
 __all__ = ["FlatLayout"]
 
 
+class _FrozenMap(dict):
+  """A read-only dict that hashes (so a layout can be a static argument of ``jax.jit``)."""
+
+  def __hash__(self):
+    return hash(tuple(sorted(self.items())))
+
+  def _readonly(self, *args, **kwargs):
+    raise TypeError("a FlatLayout's mappings are read-only")
+
+  __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = _readonly
+
+
 @dataclasses.dataclass(frozen=True)
 class FlatLayout:
   """Where each leaf of a pytree lives in its dtype's flat buffer.
@@ -58,6 +70,9 @@ class FlatLayout:
     slots: for each leaf, ``(buffer name, offset, size)``.
     sizes: each buffer's length (a multiple of ``align``).
     buffer_dtypes: each buffer's dtype.
+
+  Layouts are hashable values (equal layouts hash equally), so a step can take one as a
+  static argument.
   """
 
   treedef: Any
@@ -111,8 +126,8 @@ class FlatLayout:
         slots[i] = (str(dtypes[i]), 0, 0)
         buffers.setdefault(str(dtypes[i]), 0)
         buffer_dtypes.setdefault(str(dtypes[i]), dtypes[i])
-    return cls(treedef, shapes, dtypes, tuple(slots), dict(sorted(buffers.items())),
-               buffer_dtypes)
+    return cls(treedef, shapes, dtypes, tuple(slots), _FrozenMap(sorted(buffers.items())),
+               _FrozenMap(buffer_dtypes))
 
   def ravel(self, tree) -> dict[str, jax.Array]:
     """The tree's leaves copied into their buffers (zeros between leaves)."""

@@ -142,7 +142,8 @@ def rmsprop_rule(h, g, *, p, nu, mu=None, trace=None, eps_in_sqrt: bool, bias_co
 
 
 def adagrad_rule(h, g, *, p, sum_of_squares, cast_lr: bool):
-  r"""Adagrad: :math:`s \leftarrow s + |g|^2`, :math:`u = -\eta\, g / \sqrt{s + \epsilon}` (0 where s = 0)."""
+  r"""Adagrad: :math:`s \leftarrow s + |g|^2`, :math:`u = -\eta\, g / \sqrt{s + \epsilon}`
+  (0 where s = 0)."""
   del p
   new_s = abs_sq(g) + sum_of_squares
   inv = jnp.where(new_s > 0, jax.lax.rsqrt(new_s + h.eps), 0.0)

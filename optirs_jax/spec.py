@@ -127,9 +127,12 @@ class BoundRule:
   (it keys the kernel caches). Around the rule:
 
   * inputs of mixed dtypes promote op by op as under JAX's standard promotion (as in
-    optax), whatever ``jax_numpy_dtype_promotion`` says; a kernel (``compute_dtype``)
-    widens every input to at least that dtype first. Each new state field is cast back
-    to its input's dtype, so state dtypes never drift;
+    optax), whatever ``jax_numpy_dtype_promotion`` says (the executors run such leaves on
+    the reference, where Python-float hyper-parameters stay weakly typed as in optax);
+    inputs of one dtype are widened by a kernel to at least its ``compute_dtype`` (float32:
+    half-precision leaves computed in float32 and rounded once), and with
+    ``widens_mixed`` every input is. Each new state field is cast back to its
+    input's dtype, so state dtypes never drift;
   * ``wide_grads``: ``g`` is read in float32 or wider (for master weights: what their
     update path gives the inner optimizer);
   * ``unscale``: ``g`` is multiplied by ``h.inv_scale`` first (a loss scale's inverse; the
@@ -161,6 +164,12 @@ class BoundRule:
   param_rounding: bool = False
 
   @property
+  def widens_mixed(self) -> bool:
+    """Whether inputs of mixed dtypes are computed in float32 by design (master weights,
+    stochastic rounding); otherwise they promote op by op, as in optax."""
+    return self.master or self.indexed
+
+  @property
   def indexed(self) -> bool:
     """Whether the rule needs each element's index in its leaf (``index=``)."""
     return self.rounding or self.param_rounding
@@ -172,18 +181,19 @@ class BoundRule:
   def _call(self, h, g, *rest, index, compute_dtype):
     n = len(self.fields)
     state, extra = rest[:n], rest[n:]
-    if self.indexed:  # rounding stochastically needs the unrounded float32 result
-      compute_dtype = jnp.float32
+    uniform = len({x.dtype for x in (g, *state, *extra)}) == 1
     if self.wide_grads:
       g = g.astype(widened(g.dtype))
     if self.unscale:
       g = g.astype(widened(g.dtype))
       g = g * jnp.asarray(h.inv_scale, g.dtype)
-    if compute_dtype is not None:  # a kernel: everything in (at least) compute_dtype
-      to = common(g, *state, *extra, compute_dtype)
-      widen = lambda x: x if x.dtype == to else x.astype(to)
-    else:  # the reference: mixed dtypes promote op by op, exactly as optax's would
-      widen = lambda x: x
+    if self.widens_mixed:  # float32 by design: master weights, stochastic rounding
+      to = common(g, *state, *extra, jnp.float32)
+    elif compute_dtype is not None and uniform:  # a kernel: one dtype, computed in float32
+      to = common(g, compute_dtype)
+    else:  # mixed dtypes promote op by op, exactly as optax's would (on every executor)
+      to = None
+    widen = lambda x: x if to is None or x.dtype == to else x.astype(to)
     p = widen(extra[0]) if self.with_params else None
     u, *new_state = self.fn(h, widen(g), p=p, **dict(zip(self.fields, map(widen, state))),
                             **dict(self.static))

@@ -3,8 +3,10 @@
 import chex
 import jax
 import jax.numpy as jnp
+import optax
 import pytest
 
+import optirs_jax
 from tests import cases
 
 HALF = [jnp.bfloat16, jnp.float16]
@@ -111,3 +113,27 @@ def test_float64_params_with_x64_on_the_reference():
     u, _, ru, _ = _run(ours, ref, params, params)
     assert u["w"].dtype == jnp.float64
     chex.assert_trees_all_close(u, ru, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("params_dtype, grads_dtype", [(jnp.float32, jnp.bfloat16),
+                                                       (jnp.bfloat16, jnp.float32)],
+                         ids=["f32-params-bf16-grads", "bf16-params-f32-grads"])
+@pytest.mark.parametrize("name", ["lamb", "adam", "sgd"])
+def test_params_and_grads_of_different_dtypes_match_optax(name, params_dtype, grads_dtype,
+                                                          backend, standard_promotion):
+  """Mixed dtypes promote op by op as in optax (weak Python-float hyper-parameters
+  included); the kernels hand such leaves to the reference, so every executor matches, and
+  the fused apply equals update + apply_updates. (One step: optax's state then drifts to
+  the wider dtype, where optirs_jax keeps the state's dtype from init.)"""
+  kw = {"momentum": 0.9} if name == "sgd" else {}
+  ours, ref = cases.pair(name, kw, backend)
+  params, grads = cases.ragged_tree(0, params_dtype), cases.ragged_tree(1, grads_dtype)
+  u, s, ru, rs = _run(ours, ref, params, grads, steps=1)
+  chex.assert_trees_all_equal_dtypes(s, ours.init(params))
+  chex.assert_trees_all_equal_dtypes(u, ru)
+  chex.assert_trees_all_close(u, ru, rtol=0, atol=0)
+  p, _ = jax.jit(lambda g, s, p: optirs_jax.apply(ours, g, s, p))(grads, ours.init(params),
+                                                                   params)
+  u1, _ = jax.jit(ours.update)(grads, ours.init(params), params)
+  chex.assert_trees_all_close(p, optax.apply_updates(params, u1), rtol=1e-6, atol=1e-6)

@@ -118,3 +118,17 @@ def test_a_failed_step_leaves_donated_state_usable():
     step({"w": jnp.ones((3, 5)), "b": jnp.zeros(4)}, state, PARAMS)
   updates, new_state = step(PARAMS, state, PARAMS)  # the state was not consumed
   assert int(new_state.count) == 1 and updates["w"].shape == (3, 4)
+
+
+def test_sgd_checks_params_against_the_updates_naming_the_leaf():
+  opt = optirs_jax.sgd(0.1)
+  with pytest.raises(ValueError, match=r"params leaf \['b'\] has shape \(5,\) but the updates "
+                                       r"leaf has shape \(4,\)"):
+    opt.update(PARAMS, opt.init(PARAMS), {"w": jnp.ones((3, 4)), "b": jnp.zeros(5)})
+
+
+@pytest.mark.parametrize("name", ["sgd", "adam", "lamb", "lion"])
+def test_an_empty_tree_steps_to_an_empty_tree(name):
+  tx = getattr(optirs_jax, name)(0.1)
+  params, state = optirs_jax.apply(tx, {}, tx.init({}), {})
+  assert params == {} and int(state.count) == 1

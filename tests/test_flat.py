@@ -102,3 +102,13 @@ def test_bad_inputs_name_what_is_wrong():
     FlatLayout.of({})
   with pytest.raises(TypeError, match="leaf 0 of the tree is str"):
     FlatLayout.of(["a"])
+
+
+def test_a_layout_is_a_hashable_static_argument():
+  tree = cases.ragged_tree(0)
+  layout = FlatLayout.of(tree)
+  assert hash(layout) == hash(FlatLayout.of(tree)) and layout == FlatLayout.of(tree)
+  with pytest.raises(TypeError, match="read-only"):
+    layout.sizes["float32"] = 0
+  unravel = jax.jit(lambda layout, flat: layout.unravel(flat)["rows"], static_argnums=0)
+  chex.assert_trees_all_equal(unravel(layout, layout.ravel(tree)), tree["rows"])

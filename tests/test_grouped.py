@@ -7,7 +7,6 @@ stores the Triton kernel uses). Here: its planner, mixed dtypes in one launch, a
 export (launch counts and in-place aliasing).
 """
 
-import chex
 import jax
 import jax.numpy as jnp
 import numpy as np

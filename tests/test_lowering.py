@@ -79,11 +79,15 @@ def _libtpu_devices():
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_tpu_full_compile_through_libtpu(name):
   devices = _libtpu_devices()
-  sharding = jax.sharding.SingleDeviceSharding(devices[0])
+  # The mesh carries the target's platform and kind into the trace (lowering_targets) and
+  # into Pallas's Mosaic lowering, which asks for the TPU generation (jnp.sign in Lion).
+  mesh = jax.sharding.Mesh(devices[:1], ("x",))
+  sharding = jax.sharding.NamedSharding(mesh, jax.P())
   step, shapes = _step_and_shapes(name, cases.ragged_tree(0))
   shapes = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
                         shapes)
-  compiled = jax.jit(step, donate_argnums=(0, 1)).trace(*shapes).lower().compile()
+  with jax.set_mesh(mesh):
+    compiled = jax.jit(step, donate_argnums=(0, 1)).trace(*shapes).lower().compile()
   assert "tpu_custom_call" in compiled.as_text()
 
 

@@ -5,9 +5,16 @@ import jax
 import pytest
 from hypothesis import given, settings
 
-from optirs_jax.planning.memory import (ArenaAllocator, BuddyAllocator, HardwareUtilization,
-                                        OutOfMemoryError, SlabAllocator, align_up,
-                                        device_memory_stats, fragmentation)
+from optirs_jax.planning.memory import (
+  ArenaAllocator,
+  BuddyAllocator,
+  HardwareUtilization,
+  OutOfMemoryError,
+  SlabAllocator,
+  align_up,
+  device_memory_stats,
+  fragmentation,
+)
 
 ALLOCATORS = [lambda: ArenaAllocator(1 << 16), lambda: BuddyAllocator(1 << 16),
               lambda: SlabAllocator(1 << 16, slab_bytes=4096)]

@@ -4,9 +4,16 @@ import hypothesis.strategies as st
 import pytest
 from hypothesis import given, settings
 
-from optirs_jax.planning.memory_policies import (LfuEviction, LruEviction, Move, RefCountGC,
-                                                 SizeAwareEviction, StridePrefetcher,
-                                                 compaction_plan, replay)
+from optirs_jax.planning.memory_policies import (
+  LfuEviction,
+  LruEviction,
+  Move,
+  RefCountGC,
+  SizeAwareEviction,
+  StridePrefetcher,
+  compaction_plan,
+  replay,
+)
 
 
 @settings(max_examples=200, deadline=None)

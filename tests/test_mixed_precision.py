@@ -165,7 +165,7 @@ def test_master_weights_fused_equals_update_path(name, backend, standard_promoti
   s1 = s2 = tx.init(params)
   p1 = p2 = params
   for i in range(3):
-    g = jax.tree.map(lambda x: jnp.cos(x * (i + 1)).astype(x.dtype), p1)
+    g = jax.tree.map(lambda x, k=i + 1: jnp.cos(x * k).astype(x.dtype), p1)
     p1, s1 = fused(tx)(g, s1, p1)
     u, s2 = jax.jit(tx.update)(g, s2, p2)
     p2 = optax.apply_updates(p2, u)

@@ -18,4 +18,4 @@ def test_multi_device_cases_on_8_cpu_devices():
       cwd=HERE.parent, env=env, capture_output=True, text=True, timeout=3000)
   tail = (proc.stdout + proc.stderr)[-6000:]
   assert proc.returncode == 0, tail
-  assert " passed" in tail and "skipped" not in tail.split("\n")[-2] or True
+  assert (" passed" in tail and "skipped" not in tail.split("\n")[-2]) or True

@@ -2,8 +2,12 @@
 
 import pytest
 
-from optirs_jax.planning.occupancy import (KernelResourceUsage, SmResourceLimits,
-                                           best_block_size, calculate_occupancy)
+from optirs_jax.planning.occupancy import (
+  KernelResourceUsage,
+  SmResourceLimits,
+  best_block_size,
+  calculate_occupancy,
+)
 
 SM80, SM90 = SmResourceLimits.sm_80(), SmResourceLimits.sm_90()
 

@@ -11,9 +11,13 @@ import pathlib
 
 import pytest
 
-from optirs_jax.planning.occupancy import (KernelResourceUsage, SmResourceLimits,
-                                           best_block_size, calculate_occupancy,
-                                           carveout_from_percent)
+from optirs_jax.planning.occupancy import (
+  KernelResourceUsage,
+  SmResourceLimits,
+  best_block_size,
+  calculate_occupancy,
+  carveout_from_percent,
+)
 
 RECORD = (pathlib.Path(__file__).parent.parent / "benchmarks" / "results"
           / "2026-12-02-h200-occupancy-driver.json")

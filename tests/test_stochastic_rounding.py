@@ -81,8 +81,8 @@ def test_executors_round_alike():
   for backend in ("jnp", "pallas"):
     tx = optirs_jax.adam(1e-3, mu_dtype=jnp.bfloat16, stochastic_rounding=True,
                          backend=backend)
-    out[backend] = jax.jit(lambda p, s: optirs_jax.apply(tx, grads, s, p))(params,
-                                                                           tx.init(params))
+    out[backend] = jax.jit(lambda p, s, tx=tx: optirs_jax.apply(tx, grads, s, p))(
+        params, tx.init(params))
   chex.assert_trees_all_close(out["jnp"], out["pallas"], rtol=2**-7, atol=0)
   same = np.mean(np.asarray(out["jnp"][0]["w"] == out["pallas"][0]["w"]))
   assert same > 0.99, same

@@ -24,15 +24,15 @@ def _train(apply_fn, params, opt, steps=60):
 
   @jax.jit
   def step(p, s):
-    l, g = jax.value_and_grad(loss)(p)
+    value, g = jax.value_and_grad(loss)(p)
     u, s = opt.update(g, s, p)
-    return optax.apply_updates(p, u), s, l
+    return optax.apply_updates(p, u), s, value
 
   s = opt.init(params)
   losses = []
   for _ in range(steps):
-    params, s, l = step(params, s)
-    losses.append(float(l))
+    params, s, value = step(params, s)
+    losses.append(float(value))
   return params, losses
 
 

@@ -19,8 +19,16 @@ call's time (trace + compile + run); the step's memory. On CPU the trees are sca
 (``--scale``) and there is no kernel time.
 """
 
-from optirs_jax.bench.cases import (JAX_IMPLS, OPTIMIZERS, TREES, Opt, gpt2_small_shapes,
-                                    jax_step, make_tree, tree_shapes)
+from optirs_jax.bench.cases import (
+                                    JAX_IMPLS,
+                                    OPTIMIZERS,
+                                    TREES,
+                                    Opt,
+                                    gpt2_small_shapes,
+                                    jax_step,
+                                    make_tree,
+                                    tree_shapes,
+)
 from optirs_jax.bench.cli import main, run, table
 
 __all__ = ["JAX_IMPLS", "OPTIMIZERS", "TREES", "Opt", "gpt2_small_shapes", "jax_step", "main",

@@ -176,7 +176,7 @@ def meta(args, scale, copy_bw, copy_n) -> dict:
     versions["torch"] = torch.__version__
   except ImportError:
     pass
-  return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+  return {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
           "device": f"{dev.platform}: {dev.device_kind}", "versions": versions,
           "command": " ".join(["python -m optirs_jax.bench"] + sys.argv[1:]),
           "scale": scale, "copy_gbps": copy_bw / 1e9, "copy_elements": copy_n,

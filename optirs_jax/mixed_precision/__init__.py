@@ -37,12 +37,23 @@ A whole step (float16 compute, float32 master weights, dynamic loss scaling):
 (Array(0.497, dtype=float16), Array(0.49700007, dtype=float32))
 """
 
-from optirs_jax.mixed_precision._loss_scale import (DynamicLossScale, LossScale, NoOpLossScale,
-                                                    StaticLossScale, all_finite, select_tree)
+from optirs_jax.mixed_precision._loss_scale import (
+                                                    DynamicLossScale,
+                                                    LossScale,
+                                                    NoOpLossScale,
+                                                    StaticLossScale,
+                                                    all_finite,
+                                                    select_tree,
+)
 from optirs_jax.mixed_precision._policy import Policy, get_policy
-from optirs_jax.mixed_precision._wrappers import (LossScalingState, MasterWeightsState,
-                                                  loss_scale_of, master_weights,
-                                                  skipped_steps_of, with_loss_scaling)
+from optirs_jax.mixed_precision._wrappers import (
+                                                    LossScalingState,
+                                                    MasterWeightsState,
+                                                    loss_scale_of,
+                                                    master_weights,
+                                                    skipped_steps_of,
+                                                    with_loss_scaling,
+)
 
 __all__ = ["DynamicLossScale", "LossScale", "LossScalingState", "MasterWeightsState",
            "NoOpLossScale", "Policy", "StaticLossScale", "all_finite", "get_policy",

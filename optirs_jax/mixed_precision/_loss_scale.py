@@ -16,7 +16,7 @@ def _concrete(x) -> float | None:
   """``x`` as a Python float when it is known now (not traced), else None."""
   try:
     return float(x)
-  except Exception:  # a tracer, an abstract value, a placeholder  # noqa: BLE001
+  except Exception:  # a tracer, an abstract value, a placeholder
     return None
 
 
@@ -194,7 +194,8 @@ from optirs_jax.dtypes import widened
   """
   pred = jnp.asarray(pred)
   if pred.ndim != 0 or pred.dtype != jnp.bool_:
-    raise ValueError(f"select_tree: pred must be a boolean scalar; got {pred.dtype}{list(pred.shape)}")
+    raise ValueError("select_tree: pred must be a boolean scalar; got "
+                     f"{pred.dtype}{list(pred.shape)}")
   ta, tb = jax.tree.structure(a), jax.tree.structure(b)
   if ta != tb:
     raise ValueError(f"select_tree: the two trees differ in structure: {ta} vs {tb}"[:600])

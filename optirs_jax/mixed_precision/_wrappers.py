@@ -8,9 +8,15 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optirs_jax.mixed_precision._loss_scale import (DynamicLossScale, LossScale, NoOpLossScale,
-                                                    StaticLossScale, all_finite, select_tree)
 from optirs_jax.dtypes import widened
+from optirs_jax.mixed_precision._loss_scale import (
+  DynamicLossScale,
+  LossScale,
+  NoOpLossScale,
+  StaticLossScale,
+  all_finite,
+  select_tree,
+)
 from optirs_jax.rounding import stochastic_round
 
 _SCALES = (DynamicLossScale, StaticLossScale, NoOpLossScale)

@@ -20,9 +20,14 @@ all hosts' devices (``jax.make_mesh`` over ``jax.devices()``) and the same code 
 collectives crossing hosts over the interconnect. Nothing here does its own transport.
 """
 
-from optirs_jax.multi_device._compression import (PowerSGDState, TopKState, compression_stats,
-                                                  powersgd, state_partition_specs,
-                                                  top_k_compression)
+from optirs_jax.multi_device._compression import (
+                                                  PowerSGDState,
+                                                  TopKState,
+                                                  compression_stats,
+                                                  powersgd,
+                                                  state_partition_specs,
+                                                  top_k_compression,
+)
 from optirs_jax.multi_device._sync import sync_gradients, sync_gradients_transform
 
 __all__ = ["PowerSGDState", "TopKState", "compression_stats", "powersgd",

@@ -184,7 +184,7 @@ def powersgd(rank: int = 1, *, axis_name: str | Sequence[str], start_step: int =
     raise ValueError(f"powersgd: start_step={start_step!r} must be an int >= 0")
 
   def random_q(shape, i, count):
-    n, m = _matrix_shape(shape)
+    _, m = _matrix_shape(shape)
     key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(seed), i), count)
     return jax.random.normal(key, (m, rank), jnp.float32)
 

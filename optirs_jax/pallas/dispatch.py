@@ -30,8 +30,7 @@ from optirs_jax.pallas.kernel import whole_leaf
 from optirs_jax.pallas.op import ElementwiseOp, Hyper, call_rule, hyper_vector, output_dtypes
 from optirs_jax.pallas.options import DEFAULT_OPTIONS, ExecutorOptions
 from optirs_jax.pallas.packed import run_packed
-from optirs_jax.planning.layout import (MAX_GROUPED_LEAF_ELEMENTS, plan_grouped_calls,
-                                        runs_in_place)
+from optirs_jax.planning.layout import MAX_GROUPED_LEAF_ELEMENTS, plan_grouped_calls, runs_in_place
 
 Leaf = tuple  # one leaf's arrays, in the rule's argument order
 
@@ -95,9 +94,12 @@ def _route(op: ElementwiseOp, leaf: Leaf, platform: str, options: ExecutorOption
 def _on_reference(op: ElementwiseOp, leaf: Leaf, platform: str, options: ExecutorOptions,
                   large_on_reference: bool) -> bool:
   """Whether a leaf runs on the reference inside a kernel branch: dtypes the kernel does
-  not take, empty leaves, the policies' choices, and (for an indexed op) a leaf that would
-  be packed with others and lose its element index."""
+  not take, inputs of mixed dtypes (unless the op computes them in float32), empty leaves,
+  the policies' choices, and (for an indexed op) a leaf that would be packed with others
+  and lose its element index."""
   if not all(x.dtype in KERNEL_DTYPES[platform] for x in leaf) or leaf[0].size == 0:
+    return True
+  if not op.mixed_on_kernels and len({x.dtype for x in leaf}) > 1:
     return True
   tiling = options.tiling(platform)
   large = runs_in_place(leaf[0].size,
@@ -198,14 +200,30 @@ def _in_process(platform: str) -> bool:
     return False
 
 
-def lowering_targets() -> frozenset[str]:
+def _platform_of(mesh) -> str | None:
+  device = getattr(mesh, "abstract_device", None)
+  return getattr(device, "platform", None)
+
+
+def lowering_targets(leaves: Sequence[Leaf] = ()) -> frozenset[str]:
   """The kernel platforms a step traced now can run on: those this process has devices
-  of, and the platform of an abstract device being traced for (``jax.export`` under
-  ``jax.sharding.use_abstract_mesh``). Branches for other platforms are not traced."""
+  of, the platform of an abstract mesh being traced for (``jax.export`` under
+  ``jax.sharding.use_abstract_mesh``), and the platform of the mesh the traced leaves are
+  sharded on (``jit(...).trace`` of ``NamedSharding``-ed shapes on compile-only devices,
+  e.g. a TPU topology from a CPU host). Branches for other platforms are not traced.
+
+  A ``SingleDeviceSharding`` carries no mesh into the trace: to compile for a device this
+  process cannot run on, shard the inputs with a ``NamedSharding`` (a one-device mesh will
+  do) or trace under ``jax.sharding.use_abstract_mesh``."""
   targets = {p for p in ("cuda", "tpu") if _in_process(p)}
-  device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
-  if device is not None and device.platform in ("cuda", "tpu"):
-    targets.add(device.platform)
+  meshes = [jax.sharding.get_abstract_mesh()]
+  for leaf in leaves[:1]:  # the leaves of one step share a mesh
+    for x in leaf:
+      meshes.append(getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None))
+  for mesh in meshes:
+    platform = _platform_of(mesh)
+    if platform in ("cuda", "tpu"):
+      targets.add(platform)
   return frozenset(targets)
 
 
@@ -248,7 +266,7 @@ def execute(op: ElementwiseOp, h: Mapping, leaves: Sequence[Leaf], *, backend: s
                                                            on_ref, norm_axes)
   if backend == "jnp" or not leaves:
     return ref()
-  targets = lowering_targets()
+  targets = lowering_targets(leaves)
   if backend == "auto":
     on_ref = options.updates_on_reference and not fused_apply and not op.has_norms
     branches = {p: kernel(p, on_ref) for p in ("cuda", "tpu") if p in targets}

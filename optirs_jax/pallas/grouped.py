@@ -29,8 +29,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from optirs_jax.pallas.kernel import compiler_params
-from optirs_jax.pallas.op import (LANES, NHP, ElementwiseOp, block_math,
-                                  partial_sum_of_squares, read_hyper)
+from optirs_jax.pallas.op import (
+  LANES,
+  NHP,
+  ElementwiseOp,
+  block_math,
+  partial_sum_of_squares,
+  read_hyper,
+)
 from optirs_jax.pallas.options import Tiling
 from optirs_jax.pallas.sharding import out_struct, vary_alike
 from optirs_jax.planning.layout import GroupedCall

@@ -24,8 +24,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
-from optirs_jax.pallas.op import (NHP, ElementwiseOp, block_math, partial_sum_of_squares,
-                                  read_hyper)
+from optirs_jax.pallas.op import NHP, ElementwiseOp, block_math, partial_sum_of_squares, read_hyper
 from optirs_jax.pallas.options import Tiling
 from optirs_jax.pallas.sharding import out_struct, vary_alike
 

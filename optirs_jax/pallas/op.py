@@ -49,6 +49,9 @@ class ElementwiseOp:
     name: the kernel's name in the compiled program.
     indexed: the rule takes ``index=``: each element's index in its leaf (``uint32``, the
       shape of the block), for counter-based random numbers.
+    mixed_on_kernels: a leaf whose inputs have several dtypes may run in a kernel (the rule
+      computes it in float32 by design); otherwise it runs on the reference, whose
+      op-by-op promotion (weak Python-float scalars included) a kernel cannot repeat.
   """
 
   rule: Callable
@@ -59,6 +62,7 @@ class ElementwiseOp:
   norm_outputs: tuple[int, ...] = ()
   name: str = "optirs_kernel"
   indexed: bool = False
+  mixed_on_kernels: bool = False
 
   @property
   def has_norms(self) -> bool:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 from collections.abc import Hashable, Iterable, Mapping
 
 from optirs_jax.planning.memory import align_up
@@ -34,8 +35,9 @@ class Move:
 
 def compaction_plan(live: Mapping[int, int], alignment: int = 1) -> list[Move]:
   """Moves that pack the live blocks ``{offset: nbytes}`` (aligned, not overlapping) from
-  offset 0 up, keeping their order and ``alignment``. Applying them in order is safe: every move goes down, so a block
-  lands only on bytes already vacated."""
+  offset 0 up, keeping their order and ``alignment``. Applying them in order is safe: every move
+  goes down, so a block lands only on bytes already vacated.
+  """
   moves, top = [], 0
   for offset in sorted(live):
     if offset % alignment or offset < top:
@@ -181,7 +183,7 @@ class StridePrefetcher:
     if len(self.history) <= self.confirm:
       return []
     h = list(self.history)
-    strides = {b - a for a, b in zip(h, h[1:])}
+    strides = {b - a for a, b in itertools.pairwise(h)}
     if len(strides) != 1 or 0 in strides:
       return []
     (stride,) = strides
@@ -190,7 +192,7 @@ class StridePrefetcher:
   def pattern(self, access_bytes: int) -> str:
     """``"sequential"``, ``"strided"`` or ``"none"`` for the recent accesses."""
     h = list(self.history)
-    strides = {b - a for a, b in zip(h, h[1:])}
+    strides = {b - a for a, b in itertools.pairwise(h)}
     if len(h) <= self.confirm or len(strides) != 1 or 0 in strides:
       return "none"
     return "sequential" if strides == {access_bytes} else "strided"

@@ -62,7 +62,8 @@ def _check_arguments(fn: str, spec: OptimizerSpec, arguments: Mapping[str, Any])
 OWN = object()  # a fused apply's default param_seed: the optimizer's own rounding
 
 
-def build(spec: OptimizerSpec, arguments: Mapping[str, Any]) -> optax.GradientTransformationExtraArgs:
+def build(spec: OptimizerSpec,
+          arguments: Mapping[str, Any]) -> optax.GradientTransformationExtraArgs:
   """The optimizer ``spec`` describes, with ``arguments`` (its public function's arguments,
   ``backend`` and ``executor_options`` included)."""
   fn = f"optirs_jax.{spec.name}"
@@ -231,7 +232,7 @@ def _op(spec: OptimizerSpec, options, names, mode: _Mode, *, decay: bool):
       rule, hyper, pads, aliases,
       norm_inputs=tuple(inputs.index(x) for x in reduction.inputs) if reduction else (),
       norm_outputs=tuple(outputs.index(x) for x in reduction.outputs) if reduction else (),
-      name=spec.name, indexed=rule.indexed)
+      name=spec.name, indexed=rule.indexed, mixed_on_kernels=rule.widens_mixed)
   return op, with_p, with_low
 
 
@@ -242,10 +243,14 @@ def _finish(spec: OptimizerSpec, h, first, weights, p, m, norms, uses_master, *,
   outs, masters = [], (list(m) if m is not None else None)
   for i, r in enumerate(first):
     u = spec.reduction.finish(h, r, weights[i], *norms[i], cast_lr=cast_lr)
-    index = jnp.arange(r.size, dtype=jnp.uint32).reshape(r.shape)
     key = (h.pseed_lo, h.pseed_hi, h.count_lo, h.count_hi) if param_rounding else None
-    cast = (lambda x, dt: x.astype(dt)) if key is None or not fused else (
-        lambda x, dt: round_with_key(x, dt, key, 0, index))
+
+    def cast(x, dtype, key=key, shape=r.shape):
+      if key is None or not fused:
+        return x.astype(dtype)
+      index = jnp.arange(x.size, dtype=jnp.uint32).reshape(shape)
+      return round_with_key(x, dtype, key, 0, index)
+
     if uses_master[i]:
       masters[i] = (m[i] + u).astype(m[i].dtype)
       out = cast(masters[i], p[i].dtype)

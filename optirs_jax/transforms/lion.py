@@ -37,7 +37,8 @@ LION = OptimizerSpec(
 def lion(learning_rate: optax.ScalarOrSchedule, b1: jax.typing.ArrayLike = 0.9,
          b2: jax.typing.ArrayLike = 0.99, mu_dtype: Any | None = None,
          weight_decay: optax.ScalarOrSchedule = 1e-3, mask: Any = None, *,
-         stochastic_rounding: bool = False, rounding_seed: int = 0, backend: str = "auto", executor_options: ExecutorOptions | None = None
+         stochastic_rounding: bool = False, rounding_seed: int = 0, backend: str = "auto",
+         executor_options: ExecutorOptions | None = None
          ) -> optax.GradientTransformationExtraArgs:
   r"""Lion; the same numbers as :func:`optax.lion`.
 

@@ -35,7 +35,8 @@ SGD = OptimizerSpec(
 
 def sgd(learning_rate: optax.ScalarOrSchedule, momentum: jax.typing.ArrayLike | None = None,
         nesterov: bool = False, accumulator_dtype: Any | None = None, *,
-        stochastic_rounding: bool = False, rounding_seed: int = 0, backend: str = "auto", executor_options: ExecutorOptions | None = None
+        stochastic_rounding: bool = False, rounding_seed: int = 0, backend: str = "auto",
+        executor_options: ExecutorOptions | None = None
         ) -> optax.GradientTransformationExtraArgs:
   r"""Stochastic gradient descent; the same numbers as :func:`optax.sgd`.
 
