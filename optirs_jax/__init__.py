@@ -14,10 +14,11 @@ dtype('float32')
 
 from importlib import metadata as _metadata
 
-from optirs_jax import flat, mixed_precision, multi_device
+from optirs_jax import flat, mixed_precision, multi_device, quantization
 from optirs_jax.apply import apply
 from optirs_jax.backends import SUPPORTED_BACKENDS, available_backends
 from optirs_jax.pallas.options import ExecutorOptions, Tiling
+from optirs_jax.quantization import adam8bit, adamw8bit
 from optirs_jax.transforms import (
   AdagradState,
   AdamState,
@@ -40,7 +41,7 @@ except _metadata.PackageNotFoundError:  # running from a source tree
 
 __all__ = [
     "SUPPORTED_BACKENDS", "AdagradState", "AdamState", "ExecutorOptions", "LionState",
-    "RmspropState", "SgdState", "Tiling", "adagrad", "adam", "adamw", "apply",
-    "available_backends", "flat", "lamb", "lion", "mixed_precision", "multi_device", "rmsprop",
-    "sgd",
+    "RmspropState", "SgdState", "Tiling", "adagrad", "adam", "adam8bit", "adamw", "adamw8bit",
+    "apply", "available_backends", "flat", "lamb", "lion", "mixed_precision", "multi_device",
+    "quantization", "rmsprop", "sgd",
 ]

@@ -132,7 +132,12 @@ def test_params_and_grads_of_different_dtypes_match_optax(name, params_dtype, gr
   u, s, ru, rs = _run(ours, ref, params, grads, steps=1)
   chex.assert_trees_all_equal_dtypes(s, ours.init(params))
   chex.assert_trees_all_equal_dtypes(u, ru)
-  chex.assert_trees_all_close(u, ru, rtol=0, atol=0)
+  rtol = 0
+  if name == "lamb" and jax.default_backend() == "gpu":
+    # XLA on a GPU sums LAMB's norms in an order that depends on the program's fusions: the
+    # two programs' norms differ in their last bit (of a bfloat16 norm: 2^-8 relative).
+    rtol = 8e-3 if params_dtype == jnp.bfloat16 else 1e-6
+  chex.assert_trees_all_close(u, ru, rtol=rtol, atol=0)
   p, _ = jax.jit(lambda g, s, p: optirs_jax.apply(ours, g, s, p))(grads, ours.init(params),
                                                                    params)
   u1, _ = jax.jit(ours.update)(grads, ours.init(params), params)

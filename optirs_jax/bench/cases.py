@@ -107,6 +107,11 @@ OPTIMIZERS = {
     # Read g (bf16) twice (finiteness, then the step), master, mu, nu (f32); write master,
     # mu, nu (f32) and p (bf16): 2 + 2 + 12 + 12 + 2 = 30 bytes per parameter.
     "adamw_bf16_master": Opt(30, _mixed, None, dtype=jnp.bfloat16, scaled=True),
+    # 8-bit moments: read p, g (f32) and both codes; write p and both codes (the per-block
+    # scales add 16 bytes per 256 parameters): 4 + 4 + 1 + 1 + 4 + 1 + 1 = 16 bytes. No
+    # optax equivalent: compare with the "adam" case of the same run.
+    "adam8bit": Opt(16, lambda **o: optirs_jax.adam8bit(1e-3, **o), None),
+    "adamw8bit": Opt(16, lambda **o: optirs_jax.adamw8bit(1e-3, **o), None),
 }
 
 JAX_IMPLS = ("optirs-apply", "optirs-update", "optax", "optax-flatten")

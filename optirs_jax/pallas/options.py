@@ -81,6 +81,10 @@ class ExecutorOptions:
     interpret_tiling: the geometry in interpret mode; ``None`` takes ``cuda_tiling``, so
       tests on a CPU run the GPU's layout.
     grouped_tiling: the grouped kernel's geometry (1-D blocks).
+    quantized_tiling: the 8-bit optimizers' kernel (:func:`~optirs_jax.adam8bit`):
+      ``block_rows`` quantization blocks per program (its ``lanes`` is unused: a row is one
+      quantization block), and the Triton launch settings (1 block, 2 warps: fastest of
+      1-8 blocks x 2-8 warps on an H200, benchmarks/NOTES.md "Runs 8-9").
   """
 
   small_leaf_policy: str = "group"
@@ -91,6 +95,7 @@ class ExecutorOptions:
   tpu_tiling: Tiling = Tiling(block_rows=512)
   interpret_tiling: Tiling | None = None
   grouped_tiling: Tiling = Tiling(block_rows=8, num_warps=4, flat=True)
+  quantized_tiling: Tiling = Tiling(block_rows=1, num_warps=2)
 
   def __post_init__(self):
     if self.small_leaf_policy not in SMALL_LEAF_POLICIES:
@@ -104,7 +109,8 @@ class ExecutorOptions:
       raise ValueError(f"solo_min_blocks={self.solo_min_blocks!r} must be a positive int")
     if not isinstance(self.updates_on_reference, bool):
       raise TypeError(f"updates_on_reference={self.updates_on_reference!r} must be a bool")
-    for name in ("cuda_tiling", "tpu_tiling", "interpret_tiling", "grouped_tiling"):
+    for name in ("cuda_tiling", "tpu_tiling", "interpret_tiling", "grouped_tiling",
+                 "quantized_tiling"):
       value = getattr(self, name)
       if not isinstance(value, Tiling) and not (name == "interpret_tiling" and value is None):
         raise TypeError(f"{name}={value!r} must be a Tiling")

@@ -1,0 +1,117 @@
+"""One pass of 8-bit Adam over a leaf's blocks: dequantize both moments, update, requantize,
+and write the updates (or the new params) — as a Pallas kernel, or in jnp on whole leaves.
+
+A leaf is viewed as ``[num_blocks, block_size]`` rows (a free reshape when its size is a
+multiple of the block); a kernel program takes ``rows_per_program`` whole rows, so each
+row's absmax is a reduction inside one program. Rows past the last whole program are
+computed in jnp and written in place.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from optirs_jax.pallas.options import DEFAULT_OPTIONS, Tiling
+from optirs_jax.quantization._blockwise import dequantize_blocks, quantize_blocks
+
+HYPER = ("b1", "c1", "b2", "c2", "eps", "bc1", "bc2", "wd", "neg_lr")
+NH = 16  # the hyper-parameter vector, padded to a power of two for Triton
+
+
+class Hyper:
+  def __init__(self, h):
+    for i, name in enumerate(HYPER):
+      setattr(self, name, h[i])
+
+
+def hyper_vector(values: dict) -> jax.Array:
+  vec = jnp.stack([jnp.asarray(values[n], jnp.float32) for n in HYPER])
+  return jnp.pad(vec, (0, NH - len(HYPER)))
+
+
+def adam_math(h: Hyper, p, g, mu, nu, *, l2: bool, decoupled: bool):
+  r"""Adam on float32 arrays: ``(u, mu, nu)`` with ``u = -lr * (m̂ / (sqrt(v̂) + eps) [+ wd p])``
+  (optax's order of operations; ``l2`` adds ``wd * p`` to the gradient first)."""
+  g = g.astype(jnp.float32)
+  if l2:
+    g = g + h.wd * p
+  mu = h.c1 * g + h.b1 * mu
+  nu = h.c2 * (g * g) + h.b2 * nu
+  u = (mu / h.bc1) / (jnp.sqrt(nu / h.bc2) + h.eps)
+  if decoupled:
+    u = u + h.wd * p
+  return h.neg_lr * u, mu, nu
+
+
+def block_step(h: Hyper, p, g, muc, mua, nuc, nua, out_dtype, *, l2, decoupled, fused):
+  """Blocks in, blocks out: ``(out, mu codes, mu absmax, nu codes, nu absmax)``."""
+  p32 = p.astype(jnp.float32)
+  u, mu, nu = adam_math(h, p32, g, dequantize_blocks(muc, mua), dequantize_blocks(nuc, nua),
+                        l2=l2, decoupled=decoupled)
+  out = (p32 + u) if fused else u
+  muc, mua = quantize_blocks(mu, signed=True)
+  nuc, nua = quantize_blocks(nu, signed=False)
+  return out.astype(out_dtype), muc, mua, nuc, nua
+
+
+def _body(h_ref, p_ref, g_ref, muc_ref, mua_ref, nuc_ref, nua_ref, o_ref, muc_o, mua_o, nuc_o,
+          nua_o, **kw):
+  h = Hyper([h_ref[i] for i in range(len(HYPER))])
+  outs = block_step(h, p_ref[...], g_ref[...], muc_ref[...], mua_ref[...], nuc_ref[...],
+                    nua_ref[...], o_ref.dtype, **kw)
+  for ref, x in zip((o_ref, muc_o, mua_o, nuc_o, nua_o), outs):
+    ref[...] = x
+
+
+def rows_per_program(num_blocks: int, most: int) -> int:
+  """The largest power of two up to ``most`` and ``num_blocks`` (Triton blocks are powers
+  of two)."""
+  return max(1, min(1 << (most.bit_length() - 1), 1 << (num_blocks.bit_length() - 1)))
+
+
+def leaf_step(hvec, p2, g2, muc, mua, nuc, nua, out_dtype, *, platform: str, l2: bool,
+              decoupled: bool, fused: bool, tiling: Tiling = DEFAULT_OPTIONS.quantized_tiling):
+  """One leaf's step on ``[num_blocks, block_size]`` views; ``mua``/``nua`` are
+  ``[num_blocks, 1]``. ``platform``: ``"jnp"``, ``"cuda"`` or ``"interpret"``; ``tiling``:
+  quantization blocks per program (``block_rows``) and the Triton launch settings."""
+  kw = dict(l2=l2, decoupled=decoupled, fused=fused)
+  args = (p2, g2, muc, mua, nuc, nua)
+  if platform == "jnp":
+    return block_step(Hyper(hvec), *args, out_dtype, **kw)
+  nb, bs = p2.shape
+  rows = rows_per_program(nb, tiling.block_rows)
+  programs = nb // rows
+  row_spec = pl.BlockSpec((rows, bs), lambda i: (i, 0))
+  col_spec = pl.BlockSpec((rows, 1), lambda i: (i, 0))
+  specs = [row_spec, row_spec, row_spec, col_spec, row_spec, col_spec]
+  out_shape = (jax.ShapeDtypeStruct(p2.shape, out_dtype),
+               jax.ShapeDtypeStruct(muc.shape, muc.dtype),
+               jax.ShapeDtypeStruct(mua.shape, jnp.float32),
+               jax.ShapeDtypeStruct(nuc.shape, nuc.dtype),
+               jax.ShapeDtypeStruct(nua.shape, jnp.float32))
+  aliases = {3: 1, 4: 2, 5: 3, 6: 4}
+  if fused and p2.dtype == out_dtype:
+    aliases[1] = 0
+  results = pl.pallas_call(
+      functools.partial(_body, **kw),
+      out_shape=out_shape,
+      grid=(programs,),
+      in_specs=[pl.BlockSpec((NH,), lambda i: (0,))] + specs,
+      out_specs=(row_spec, row_spec, col_spec, row_spec, col_spec),
+      input_output_aliases=aliases,
+      interpret=platform == "interpret",
+      compiler_params=(pltriton.CompilerParams(num_warps=tiling.num_warps,
+                                               num_stages=tiling.num_stages)
+                       if platform == "cuda" else None),
+      name="adam8bit",
+  )(hvec, *args)
+  start = programs * rows
+  if start == nb:
+    return results
+  tail = block_step(Hyper(hvec), *(x[start:] for x in args), out_dtype, **kw)
+  return tuple(y.at[start:].set(t) for y, t in zip(results, tail))

@@ -1,0 +1,256 @@
+"""8-bit Adam against the paper's block-wise dynamic quantization written out in numpy."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optirs_jax
+from optirs_jax.quantization import (
+  Quantized8bit,
+  adam8bit,
+  adamw8bit,
+  code_map,
+  quantize_blockwise,
+  state_nbytes,
+)
+
+
+def _np_map(signed: bool) -> np.ndarray:
+  """The dynamic tree map by its definition: per decade 10^-e, 2^k linear means of
+  [0.1, 1] (k = K-1-e), plus 0 and 1 (1 replaces the top mean), mirrored when signed."""
+  bits = 7 if signed else 8
+  mags = [0.0]
+  for k in range(bits):
+    e = bits - 1 - k
+    mags += [10.0**-e * (0.1 + 0.9 * (j + 0.5) / 2**k) for j in range(2**k)]
+  mags[-1] = 1.0
+  mags = np.array(mags)
+  vals = np.concatenate([-mags[:0:-1], mags]) if signed else mags
+  return vals.astype(np.float32)
+
+
+def _np_quantize(x: np.ndarray, signed: bool, block: int):
+  """Nearest code per element after dividing each block by its absmax."""
+  table = _np_map(signed)
+  n = x.size
+  nb = -(-n // block)
+  blocks = np.zeros(nb * block, np.float32)
+  blocks[:n] = x.reshape(-1)
+  blocks = blocks.reshape(nb, block)
+  absmax = np.abs(blocks).max(axis=1, keepdims=True)
+  a = blocks / np.where(absmax > 0, absmax, 1)
+  idx = np.abs(a[..., None] - table).argmin(axis=-1)
+  return table[idx] * absmax, absmax[:, 0]
+
+
+def _deq(q: Quantized8bit) -> np.ndarray:
+  return np.asarray(q.dequantize())
+
+
+def test_code_maps_are_the_dynamic_tree_maps():
+  for signed in (True, False):
+    ours = code_map(signed)
+    np.testing.assert_allclose(ours, _np_map(signed), rtol=2e-7)
+    assert np.all(np.diff(ours) > 0) and ours[-1] == 1.0
+  assert len(code_map(True)) == 255 and code_map(True)[0] == -1.0
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_quantize_blockwise_picks_a_nearest_code(signed):
+  rng = np.random.default_rng(0)
+  x = (rng.standard_normal(5000) * np.exp(rng.uniform(-12, 2, 5000))).astype(np.float32)
+  if not signed:
+    x = np.abs(x)
+  q = quantize_blockwise(jnp.asarray(x), signed=signed, block_size=256)
+  ref, absmax = _np_quantize(x, signed, 256)
+  np.testing.assert_allclose(np.asarray(q.absmax), absmax, rtol=0)
+  ours = _deq(q)
+  ref = ref.reshape(-1)[:x.size]
+  # As near as the numpy nearest code (to the last bit of the map's float32 values).
+  err_ours, err_ref = np.abs(ours - x), np.abs(ref - x)
+  assert np.all(err_ours <= err_ref + 1e-6 * np.abs(x) + 1e-30)
+  assert np.mean(np.isclose(ours, ref, rtol=1e-6, atol=0)) > 0.999  # the same code
+
+
+def _np_adam8bit_step(p, g, mu, nu, t, *, lr, b1, b2, eps, wd, decoupled, block):
+  g = g + (0 if decoupled else wd * p)
+  mu = b1 * mu + (1 - b1) * g
+  nu = b2 * nu + (1 - b2) * g * g
+  u = (mu / (1 - b1**t)) / (np.sqrt(nu / (1 - b2**t)) + eps)
+  u = -lr * (u + (wd * p if decoupled else 0))
+  qmu = _np_quantize(mu, True, block)[0].reshape(-1)[:p.size].reshape(p.shape)
+  qnu = _np_quantize(nu, False, block)[0].reshape(-1)[:p.size].reshape(p.shape)
+  return p + u, qmu, qnu
+
+
+@pytest.mark.parametrize("decoupled, wd", [(False, 0.0), (False, 0.01), (True, 0.05)])
+@pytest.mark.parametrize("shape", [(64, 96), (33, 257)])  # aligned to 256 or not
+def test_steps_match_numpy_reference(decoupled, wd, shape):
+  make = adamw8bit if decoupled else adam8bit
+  kw = dict(b1=0.9, b2=0.99, eps=1e-8, weight_decay=wd)
+  tx = make(1e-2, **kw, block_size=256, min_8bit_size=1024)
+  rng = np.random.default_rng(1)
+  params = {"w": jnp.asarray(rng.standard_normal(shape), jnp.float32)}
+  state = tx.init(params)
+  for t in range(1, 6):
+    g = (rng.standard_normal(shape) * 10.0 ** rng.uniform(-3, 1)).astype(np.float32)
+    p0, mu0, nu0 = np.asarray(params["w"]), _deq(state.mu["w"]), _deq(state.nu["w"])
+    params, state = optirs_jax.apply(tx, {"w": jnp.asarray(g)}, state, params)
+    p1, mu1, nu1 = _np_adam8bit_step(p0, g, mu0, nu0, t, lr=1e-2, b1=0.9, b2=0.99, eps=1e-8,
+                                     wd=wd, decoupled=decoupled, block=256)
+    np.testing.assert_allclose(np.asarray(params["w"]), p1, rtol=1e-5, atol=1e-7)
+    for ours, ref in ((_deq(state.mu["w"]), mu1), (_deq(state.nu["w"]), nu1)):
+      assert np.mean(np.isclose(ours, ref, rtol=1e-5, atol=0)) > 0.999
+      np.testing.assert_allclose(ours, ref, rtol=0.1, atol=1e-12)  # one code step at most
+
+
+@pytest.mark.parametrize("make, ref, kw", [(adam8bit, optax.adam, {}),
+                                           (adamw8bit, optax.adamw, dict(weight_decay=0.01))])
+def test_small_leaves_keep_float32_moments_and_equal_optax(make, ref, kw, standard_promotion):
+  tx, otx = make(1e-2, **kw), ref(1e-2, **kw)
+  rng = np.random.default_rng(2)
+  params = {"b": jnp.asarray(rng.standard_normal(300), jnp.float32),
+            "w": jnp.asarray(rng.standard_normal((20, 30)), jnp.float32)}
+  s, os_ = tx.init(params), otx.init(params)
+  assert s.mu["w"].dtype == jnp.float32
+  p, op = params, params
+  for _ in range(3):
+    g = jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape), jnp.float32), params)
+    u, s = tx.update(g, s, p)
+    ou, os_ = otx.update(g, os_, op)
+    chex.assert_trees_all_close(u, ou, rtol=1e-6, atol=1e-9)
+    p, op = optax.apply_updates(p, u), optax.apply_updates(op, ou)
+
+
+def test_state_bytes_are_about_a_quarter_of_float32_adam(standard_promotion):
+  params = {"a": jnp.zeros((67, 131)), "b": jnp.zeros((1024, 768)), "c": jnp.zeros((4096,))}
+  s8 = adam8bit(1e-3).init(params)
+  s32 = optax.adam(1e-3).init(params)
+  for k in params:
+    ratio = (s8.mu[k].nbytes + s8.nu[k].nbytes) / (
+        s32[0].mu[k].nbytes + s32[0].nu[k].nbytes)
+    assert ratio <= 0.27, (k, ratio)
+  assert state_nbytes(s8) <= 0.27 * state_nbytes(s32)
+
+
+@pytest.mark.parametrize("magnitude", [1e-8, 1e4])
+def test_no_nan_for_tiny_or_huge_gradients(magnitude):
+  tx = adamw8bit(1e-3, min_8bit_size=0)
+  params = {"w": jnp.ones((16, 256))}
+  state = tx.init(params)
+  rng = np.random.default_rng(3)
+  for _ in range(5):
+    g = {"w": jnp.asarray(rng.standard_normal((16, 256)) * magnitude, jnp.float32)}
+    params, state = optirs_jax.apply(tx, g, state, params)
+  for x in (params["w"], _deq(state.mu["w"]), _deq(state.nu["w"])):
+    assert np.all(np.isfinite(np.asarray(x)))
+  assert float(jnp.max(jnp.abs(params["w"] - 1))) > 1e-4  # it moved: Adam is scale-free
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="interpret mode runs the reference's "
+                    "XLA ops; the Triton kernel is compared in tests/test_gpu.py")
+@pytest.mark.parametrize("shape", [(19, 256), (40, 512), (7, 100)])
+def test_pallas_kernel_equals_reference_and_apply_equals_update(shape):
+  rng = np.random.default_rng(4)
+  params = {"w": jnp.asarray(rng.standard_normal(shape), jnp.float32),
+            "b": jnp.asarray(rng.standard_normal(64), jnp.float32)}
+  grads = jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape), jnp.float32), params)
+  results = {}
+  for backend in ("jnp", "pallas"):
+    tx = adamw8bit(1e-2, min_8bit_size=512, backend=backend)
+    update = jax.jit(tx.update)
+    s = update(grads, tx.init(params), params)[1]  # a non-zero state first
+    u, s_upd = update(grads, s, params)
+    p_app, s_app = jax.jit(lambda p, s, g, tx=tx: optirs_jax.apply(tx, g, s, p),
+                           donate_argnums=(0, 1))(jax.tree.map(jnp.copy, params), s, grads)
+    # XLA may contract p + (-lr) * x into one fma in one program and not in another: the
+    # params agree to float32 rounding, the 8-bit state exactly.
+    chex.assert_trees_all_close(p_app, optax.apply_updates(params, u), rtol=1e-6, atol=1e-9)
+    chex.assert_trees_all_equal(s_app.mu["w"], s_upd.mu["w"])
+    chex.assert_trees_all_equal(s_app.nu["w"], s_upd.nu["w"])
+    results[backend] = (u, s_upd)
+  chex.assert_trees_all_equal(results["jnp"][0]["w"], results["pallas"][0]["w"])
+  chex.assert_trees_all_equal(results["jnp"][1].mu["w"], results["pallas"][1].mu["w"])
+  chex.assert_trees_all_equal(results["jnp"][1].nu["w"], results["pallas"][1].nu["w"])
+  chex.assert_trees_all_close(results["jnp"], results["pallas"], rtol=1e-6, atol=0)
+
+
+def test_mlp_on_digits_ends_within_two_percent_of_float32_adam(standard_promotion):
+  datasets = pytest.importorskip("sklearn.datasets", reason="scikit-learn is a test extra")
+  x, y = datasets.load_digits(return_X_y=True)
+  order = np.random.default_rng(0).permutation(len(y))
+  x, y = jnp.asarray(x[order] / 16.0, jnp.float32), jnp.asarray(y[order])
+  (xtr, ytr), (xte, yte) = (x[:1400], y[:1400]), (x[1400:], y[1400:])
+  k1, k2 = jax.random.split(jax.random.key(0))
+  params = {"w1": jax.random.normal(k1, (64, 256)) * 0.1, "b1": jnp.zeros(256),
+            "w2": jax.random.normal(k2, (256, 10)) * 0.1, "b2": jnp.zeros(10)}
+
+  def loss_fn(p, x, y):
+    logits = jax.nn.relu(x @ p["w1"] + p["b1"][None]) @ p["w2"] + p["b2"][None]
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+    return loss, jnp.mean(jnp.argmax(logits, -1) == y)
+
+  def train(tx):
+    @jax.jit
+    def step(p, s, i):
+      batch = jax.lax.dynamic_slice_in_dim(jnp.arange(1400), (i % 10) * 140, 140)
+      g = jax.grad(lambda p: loss_fn(p, xtr[batch], ytr[batch])[0])(p)
+      return optirs_jax.apply(tx, g, s, p)
+    p, s = params, tx.init(params)
+    for i in range(300):
+      p, s = step(p, s, i)
+    return [float(v) for v in loss_fn(p, xte, yte)]  # held-out loss and accuracy
+
+  tx8 = adam8bit(1e-3)
+  assert isinstance(tx8.init(params).mu["w1"], Quantized8bit)
+  (loss8, acc8), (loss32, acc32) = train(tx8), train(optax.adam(1e-3))
+  assert acc32 > 0.9
+  # Quality: no worse than 2% of float32 Adam's held-out loss, 2 points of its accuracy (the
+  # two runs round differently; here the 8-bit run ends 4% *lower*, which is not a defect).
+  assert loss8 <= 1.02 * loss32, (loss8, loss32)
+  assert acc8 >= acc32 - 0.02, (acc8, acc32)
+
+
+def test_schedules_extra_args_and_bad_input():
+  tx = adam8bit(optax.linear_schedule(1e-3, 0.0, 10), min_8bit_size=0)
+  params = {"w": jnp.ones((2, 256))}
+  s = tx.init(params)
+  u, s = tx.update(params, s, params, value=jnp.float32(1.0))  # optax.chain passes extras
+  assert u["w"].shape == (2, 256) and int(s.count) == 1
+  with pytest.raises(ValueError, match="block_size=100 must be a power of two >= 2"):
+    adam8bit(1e-3, block_size=100)
+  with pytest.raises(ValueError, match="min_8bit_size=-1"):
+    adam8bit(1e-3, min_8bit_size=-1)
+  with pytest.raises(ValueError, match=r"b1=1.5 must be in \[0, 1\)"):
+    adam8bit(1e-3, b1=1.5)
+  with pytest.raises(ValueError, match="backend='cuda' is not a known backend"):
+    adam8bit(1e-3, backend="cuda")
+  with pytest.raises(ValueError, match=r"state leaf \['w'\] has shape \(2, 256\)"):
+    tx.update({"w": jnp.ones((3, 256))}, s, {"w": jnp.ones((3, 256))})
+  with pytest.raises(ValueError, match="params are required"):
+    adamw8bit(1e-3).update(params, adamw8bit(1e-3).init(params))
+  with pytest.raises(TypeError, match=r"updates leaf \['w'\] has dtype int32"):
+    tx.update({"w": jnp.ones((2, 256), jnp.int32)}, s, params)
+
+
+@pytest.mark.parametrize("make", [adam8bit, adamw8bit])
+def test_cuda_export_carries_one_triton_kernel_per_8bit_leaf(make):
+  from tests.test_lowering import cuda_triton_calls
+  tx = make(1e-3)
+  params = {"w": jnp.zeros((512, 768)), "e": jnp.zeros((1000, 256)), "b": jnp.zeros(768),
+            "odd": jnp.zeros((4097,))}  # 8-bit, but not whole blocks: jnp
+  step = lambda p, s, g: optirs_jax.apply(tx, g, s, p)
+  assert cuda_triton_calls(step, params, tx.init(params), params) == 2
+
+
+def test_a_fresh_state_can_be_donated():
+  tx = adam8bit(1e-3, min_8bit_size=256)
+  params = {"w": jnp.ones((4, 256)), "b": jnp.ones(8)}
+  state = tx.init(params)
+  step = jax.jit(lambda p, s, g: optirs_jax.apply(tx, g, s, p), donate_argnums=(0, 1))
+  grads = jax.tree.map(jnp.ones_like, params)
+  params, state = step(params, state, grads)  # every buffer of the state is its own
+  assert int(state.count) == 1
