@@ -14,7 +14,7 @@ dtype('float32')
 
 from importlib import metadata as _metadata
 
-from optirs_jax import flat, mixed_precision, multi_device, quantization
+from optirs_jax import flat, mixed_precision, multi_device, quantization, sparse
 from optirs_jax.apply import apply
 from optirs_jax.backends import SUPPORTED_BACKENDS, available_backends
 from optirs_jax.pallas.options import ExecutorOptions, Tiling
@@ -43,5 +43,5 @@ __all__ = [
     "SUPPORTED_BACKENDS", "AdagradState", "AdamState", "ExecutorOptions", "LionState",
     "RmspropState", "SgdState", "Tiling", "adagrad", "adam", "adam8bit", "adamw", "adamw8bit",
     "apply", "available_backends", "flat", "lamb", "lion", "mixed_precision", "multi_device",
-    "quantization", "rmsprop", "sgd",
+    "quantization", "rmsprop", "sgd", "sparse",
 ]
