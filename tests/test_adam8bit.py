@@ -254,3 +254,23 @@ def test_a_fresh_state_can_be_donated():
   grads = jax.tree.map(jnp.ones_like, params)
   params, state = step(params, state, grads)  # every buffer of the state is its own
   assert int(state.count) == 1
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_codes_round_trip_and_edges_pick_the_nearest(signed):
+  """Every map value encodes to itself; midpoints, decade edges and powers of ten go to a
+  nearest value (numpy argmin over the map's float32 values, which equal the definition's
+  to the last bit: test_code_maps_are_the_dynamic_tree_maps)."""
+  table = code_map(signed)
+  mags = table[table >= 0]
+  mids = (mags[1:] + mags[:-1]) / 2
+  edges = np.array([10.0**-d for d in range(10)] + [0.0, 1.0, 1e-30], np.float32)
+  probe = np.concatenate([mags, mids, np.nextafter(mids, 0), np.nextafter(mids, 1), edges,
+                          np.nextafter(edges, 1)]).astype(np.float32)
+  probe = np.clip(probe, 0, 1)
+  q = quantize_blockwise(jnp.asarray(np.concatenate([probe, [1.0]])), signed=signed,
+                         block_size=len(probe) + 1)  # absmax 1: values are the map's
+  ours = _deq(q)[:-1]
+  nearest = table[np.abs(probe[:, None] - table[None]).argmin(axis=1)]
+  assert np.all(np.abs(ours - probe) <= np.abs(nearest - probe))
+  np.testing.assert_array_equal(ours[:len(mags)], mags)

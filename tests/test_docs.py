@@ -42,7 +42,8 @@ def test_notebook_executes(path):
 def test_every_notebook_is_committed_with_its_outputs():
   nbformat = pytest.importorskip("nbformat", reason="the notebooks extra is not installed")
   assert {p.stem for p in NOTEBOOKS} >= {"quickstart", "performance", "planning",
-                                         "mixed_precision", "multi_device", "quantization", "sparse"}
+                                         "mixed_precision", "multi_device", "quantization",
+                                         "sparse"}
   for path in NOTEBOOKS:
     nb = nbformat.read(path, as_version=4)
     code = [c for c in nb.cells if c.cell_type == "code"]

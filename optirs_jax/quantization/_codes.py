@@ -17,8 +17,8 @@ is about the same everywhere.
 
 Decoding and encoding are arithmetic, not table lookups, so the same jnp functions run in the
 Pallas kernels (which cannot gather from a table) and in the reference. Encoding is the
-nearest code: the decade from ``log10``, the fraction by rounding down, then the nearer of
-that code and its neighbour (ties keep the smaller magnitude).
+nearest code: the decade from comparisons with powers of ten, the fraction by rounding
+down, then the nearer of that code and its neighbour (ties keep the smaller magnitude).
 """
 
 from __future__ import annotations
@@ -46,32 +46,47 @@ def _pow10(e: jax.Array, bits: int) -> jax.Array:
   return out
 
 
+def _magnitude(j: jax.Array, p: jax.Array, e: jax.Array, bits: int) -> jax.Array:
+  """``10^-e (0.1 + 0.9 (j + 1/2) / p)``: the one expression both coders use, so the
+  encoder's candidate values are bit for bit what the decoder returns."""
+  frac = jnp.float32(0.1) + jnp.float32(0.9) * ((j.astype(jnp.float32) + 0.5) /
+                                                p.astype(jnp.float32))
+  return _pow10_neg(e, bits) * frac
+
+
 def decode_magnitude(m: jax.Array, bits: int) -> jax.Array:
   """The float32 magnitude in [0, 1] of integer magnitude codes ``m`` (``int32``)."""
   k = jnp.zeros(m.shape, jnp.int32)
   for t in range(1, bits):
     k = k + (m >= (1 << t)).astype(jnp.int32)
   p = jnp.left_shift(jnp.ones(m.shape, jnp.int32), k)
-  j = (m - p).astype(jnp.float32)
-  frac = jnp.float32(0.1) + jnp.float32(0.9) * ((j + 0.5) / p.astype(jnp.float32))
-  val = _pow10_neg(bits - 1 - k, bits) * frac
+  val = _magnitude(m - p, p, bits - 1 - k, bits)
   val = jnp.where(m == (1 << bits) - 1, jnp.float32(1.0), val)
   return jnp.where(m == 0, jnp.float32(0.0), val)
 
 
 def encode_magnitude(a: jax.Array, bits: int) -> jax.Array:
-  """The nearest magnitude code (``int32`` in ``[0, 2^bits)``) of ``a`` in [0, 1]."""
+  """The nearest magnitude code (``int32`` in ``[0, 2^bits)``) of ``a`` in [0, 1].
+
+  The decade ``e`` counts the thresholds ``10^-d`` that ``a`` lies below (no logarithm);
+  the fraction rounds down to a candidate code ``m0`` of that decade, whose value is
+  computed in place; the one neighbour on ``a``'s side of it is decoded, and the nearer of
+  the two wins."""
   top = (1 << bits) - 1
   a = a.astype(jnp.float32)
-  tiny = jnp.float32(10.0 ** -(bits + 1))
-  e = jnp.clip(jnp.floor(-jnp.log10(jnp.maximum(a, tiny))), 0, bits - 1).astype(jnp.int32)
+  e = jnp.zeros(a.shape, jnp.int32)
+  up = jnp.ones(a.shape, jnp.float32)  # 10^e
+  for d in range(1, bits):
+    below = a < jnp.float32(10.0**-d)
+    e = e + below.astype(jnp.int32)
+    up = jnp.where(below, jnp.float32(10.0**d), up)
   k = bits - 1 - e
   p = jnp.left_shift(jnp.ones(a.shape, jnp.int32), k)
-  r = a * _pow10(e, bits)  # in [0.1, 1) when the decade estimate is right
-  j = jnp.floor((r - jnp.float32(0.1)) / jnp.float32(0.9) * p.astype(jnp.float32))
-  j = jnp.clip(j, 0, p.astype(jnp.float32) - 1).astype(jnp.int32)
+  pf = p.astype(jnp.float32)
+  j = jnp.floor((a * up - jnp.float32(0.1)) / jnp.float32(0.9) * pf)
+  j = jnp.clip(j, 0, pf - 1).astype(jnp.int32)
   m0 = p + j
-  v0 = decode_magnitude(m0, bits)
+  v0 = jnp.where(m0 == top, jnp.float32(1.0), _magnitude(j, p, e, bits))
   m1 = jnp.where(a >= v0, jnp.minimum(m0 + 1, top), jnp.maximum(m0 - 1, 0))
   v1 = decode_magnitude(m1, bits)
   d0, d1 = jnp.abs(a - v0), jnp.abs(a - v1)
