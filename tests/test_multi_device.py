@@ -3,6 +3,7 @@ count is fixed when jax starts; this process has 4)."""
 
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -18,4 +19,6 @@ def test_multi_device_cases_on_8_cpu_devices():
       cwd=HERE.parent, env=env, capture_output=True, text=True, timeout=3000)
   tail = (proc.stdout + proc.stderr)[-6000:]
   assert proc.returncode == 0, tail
-  assert (" passed" in tail and "skipped" not in tail.split("\n")[-2]) or True
+  summary = [line for line in tail.splitlines() if " passed" in line][-1]
+  assert int(re.search(r"(\d+) passed", summary).group(1)) >= 100, summary  # the cases ran
+  assert "skipped" not in summary and "failed" not in summary, summary

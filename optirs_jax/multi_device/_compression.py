@@ -190,10 +190,12 @@ def powersgd(rank: int = 1, *, axis_name: str | Sequence[str], start_step: int =
 
   def init_fn(params):
     leaves, treedef = jax.tree.flatten(params)
-    q = [random_q(x.shape, i, 0) if _compressible(x.shape, rank) else jnp.zeros((0,))
+    # Leaves sent whole hold optax.MaskedNode() (no arrays): zero-size placeholders crash
+    # XLA's CPU compiler in jax 0.11.2 inside shard_map.
+    q = [random_q(x.shape, i, 0) if _compressible(x.shape, rank) else optax.MaskedNode()
          for i, x in enumerate(leaves)]
     e = [jnp.zeros((1, *x.shape), x.dtype) if _compressible(x.shape, rank) and error_feedback
-         else jnp.zeros((1, 0), x.dtype) for x in leaves]
+         else optax.MaskedNode() for x in leaves]
     return PowerSGDState(jnp.zeros([], jnp.int32), jax.tree.unflatten(treedef, q),
                          jax.tree.unflatten(treedef, e), jnp.zeros([], jnp.float32),
                          jnp.zeros([], jnp.float32))
