@@ -38,21 +38,21 @@ A whole step (float16 compute, float32 master weights, dynamic loss scaling):
 """
 
 from optirs_jax.mixed_precision._loss_scale import (
-                                                    DynamicLossScale,
-                                                    LossScale,
-                                                    NoOpLossScale,
-                                                    StaticLossScale,
-                                                    all_finite,
-                                                    select_tree,
+  DynamicLossScale,
+  LossScale,
+  NoOpLossScale,
+  StaticLossScale,
+  all_finite,
+  select_tree,
 )
 from optirs_jax.mixed_precision._policy import Policy, get_policy
 from optirs_jax.mixed_precision._wrappers import (
-                                                    LossScalingState,
-                                                    MasterWeightsState,
-                                                    loss_scale_of,
-                                                    master_weights,
-                                                    skipped_steps_of,
-                                                    with_loss_scaling,
+  LossScalingState,
+  MasterWeightsState,
+  loss_scale_of,
+  master_weights,
+  skipped_steps_of,
+  with_loss_scaling,
 )
 
 __all__ = ["DynamicLossScale", "LossScale", "LossScalingState", "MasterWeightsState",

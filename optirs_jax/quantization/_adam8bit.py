@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import optax
 
 from optirs_jax.pallas.dispatch import lowering_targets
+from optirs_jax.pallas.op import hyper_vector, read_hyper
 from optirs_jax.pallas.options import ExecutorOptions
 from optirs_jax.quantization import _kernel8
 from optirs_jax.quantization._blockwise import Quantized8bit, as_blocks
@@ -20,9 +21,11 @@ from optirs_jax.transforms._checks import (
   check_executor_options,
   check_number,
   check_number_or_schedule,
+  check_unit_interval,
   flatten,
   learning_rate,
   match,
+  weight_decay_value,
 )
 
 
@@ -43,12 +46,6 @@ def _check_int(fn: str, name: str, value, lo: int, *, power_of_two: bool = False
     raise ValueError(f"{fn}: {name}={value!r} must be {kind} >= {lo}")
 
 
-def _check_unit(fn: str, name: str, value):
-  check_number(fn, name, value)
-  if isinstance(value, numbers.Real) and not 0 <= value < 1:
-    raise ValueError(f"{fn}: {name}={value!r} must be in [0, 1)")
-
-
 def _init_leaf(x, block_size: int, min_8bit_size: int):
   # Separate buffers for every field: a step that donates the state may not see one twice.
   if x.size < min_8bit_size:
@@ -64,7 +61,7 @@ def _leaf(hvec, p, g, mu, nu, *, platform, l2, decoupled, fused, tiling):
   """One leaf: ``(updates or new params, new mu, new nu)``."""
   out_dtype = p.dtype if fused else g.dtype
   if not isinstance(mu, Quantized8bit):
-    h = _kernel8.Hyper(hvec)
+    h = read_hyper(hvec, _kernel8.HYPER)
     p32 = p.astype(jnp.float32)
     u, mu, nu = _kernel8.adam_math(h, p32, g, mu, nu, l2=l2, decoupled=decoupled)
     return ((p32 + u) if fused else u).astype(out_dtype), mu, nu
@@ -87,15 +84,14 @@ def _make(fn: str, learning_rate_, b1, b2, eps, weight_decay, block_size, min_8b
           backend, executor_options, *, decoupled: bool
           ) -> optax.GradientTransformationExtraArgs:
   check_number_or_schedule(fn, "learning_rate", learning_rate_)
-  _check_unit(fn, "b1", b1)
-  _check_unit(fn, "b2", b2)
+  check_unit_interval(fn, "b1", b1)
+  check_unit_interval(fn, "b2", b2)
   check_number(fn, "eps", eps)
   check_number_or_schedule(fn, "weight_decay", weight_decay)
   _check_int(fn, "block_size", block_size, 2, power_of_two=True)
   _check_int(fn, "min_8bit_size", min_8bit_size, 0)
   backend = check_backend(fn, backend)
   tiling = check_executor_options(fn, executor_options).quantized_tiling
-  has_wd = not (isinstance(weight_decay, numbers.Real) and weight_decay == 0)
 
   def init_fn(params):
     leaves, _, treedef = flatten(fn, "params", params)
@@ -106,10 +102,11 @@ def _make(fn: str, learning_rate_, b1, b2, eps, weight_decay, block_size, min_8b
 
   def step(grads, state, params, fused: bool):
     gl, paths, treedef = flatten(fn, "updates", grads)
+    wd, has_wd = weight_decay_value(weight_decay, state.count)
     if params is None:
       if has_wd or fused:
         raise ValueError(f"{fn}: params are required ({'weight_decay' if has_wd else 'apply'})")
-      pl_ = [jnp.zeros((), g.dtype) for g in gl]
+      pl_ = [jnp.zeros_like(g) for g in gl]  # read by neither the math nor the output
     else:
       pl_ = match(fn, "params", params, treedef, gl, paths)
     is_q = lambda x: isinstance(x, Quantized8bit)
@@ -126,16 +123,15 @@ def _make(fn: str, learning_rate_, b1, b2, eps, weight_decay, block_size, min_8b
     count = state.count
     t = as_float(optax.safe_increment(count))
     neg_lr, _ = learning_rate(learning_rate_, count)
-    wd = weight_decay(count) if callable(weight_decay) else weight_decay
-    hvec = _kernel8.hyper_vector(dict(b1=b1, c1=1 - b1, b2=b2, c2=1 - b2, eps=eps,
-                                      bc1=1 - b1**t, bc2=1 - b2**t, wd=wd, neg_lr=neg_lr))
+    hvec = hyper_vector(dict(b1=b1, c1=1 - b1, b2=b2, c2=1 - b2, eps=eps, bc1=1 - b1**t,
+                             bc2=1 - b2**t, wd=wd, neg_lr=neg_lr), _kernel8.HYPER)
     kw = dict(l2=has_wd and not decoupled, decoupled=has_wd and decoupled, fused=fused,
               tiling=tiling)
 
     def run(platform):
       def go():
-        outs = [_leaf(hvec, p if params is not None else jnp.zeros_like(g), g, m, v,
-                      platform=platform, **kw) for p, g, m, v in zip(pl_, gl, mus, nus)]
+        outs = [_leaf(hvec, p, g, m, v, platform=platform, **kw)
+                for p, g, m, v in zip(pl_, gl, mus, nus)]
         return tuple(zip(*outs)) if outs else ((), (), ())
       return go
 

@@ -16,22 +16,13 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from optirs_jax.pallas.op import NHP, Hyper, read_hyper
 from optirs_jax.pallas.options import DEFAULT_OPTIONS, Tiling
 from optirs_jax.quantization._blockwise import dequantize_blocks, quantize_blocks
 
+# The scalars of one step, in the order of the kernel's hyper-parameter vector
+# (``pallas.op.hyper_vector(values, HYPER)``).
 HYPER = ("b1", "c1", "b2", "c2", "eps", "bc1", "bc2", "wd", "neg_lr")
-NH = 16  # the hyper-parameter vector, padded to a power of two for Triton
-
-
-class Hyper:
-  def __init__(self, h):
-    for i, name in enumerate(HYPER):
-      setattr(self, name, h[i])
-
-
-def hyper_vector(values: dict) -> jax.Array:
-  vec = jnp.stack([jnp.asarray(values[n], jnp.float32) for n in HYPER])
-  return jnp.pad(vec, (0, NH - len(HYPER)))
 
 
 def adam_math(h: Hyper, p, g, mu, nu, *, l2: bool, decoupled: bool):
@@ -61,7 +52,7 @@ def block_step(h: Hyper, p, g, muc, mua, nuc, nua, out_dtype, *, l2, decoupled, 
 
 def _body(h_ref, p_ref, g_ref, muc_ref, mua_ref, nuc_ref, nua_ref, o_ref, muc_o, mua_o, nuc_o,
           nua_o, **kw):
-  h = Hyper([h_ref[i] for i in range(len(HYPER))])
+  h = read_hyper(h_ref, HYPER)
   outs = block_step(h, p_ref[...], g_ref[...], muc_ref[...], mua_ref[...], nuc_ref[...],
                     nua_ref[...], o_ref.dtype, **kw)
   for ref, x in zip((o_ref, muc_o, mua_o, nuc_o, nua_o), outs):
@@ -82,7 +73,7 @@ def leaf_step(hvec, p2, g2, muc, mua, nuc, nua, out_dtype, *, platform: str, l2:
   kw = dict(l2=l2, decoupled=decoupled, fused=fused)
   args = (p2, g2, muc, mua, nuc, nua)
   if platform == "jnp":
-    return block_step(Hyper(hvec), *args, out_dtype, **kw)
+    return block_step(read_hyper(hvec, HYPER), *args, out_dtype, **kw)
   nb, bs = p2.shape
   rows = rows_per_program(nb, tiling.block_rows)
   programs = nb // rows
@@ -101,7 +92,7 @@ def leaf_step(hvec, p2, g2, muc, mua, nuc, nua, out_dtype, *, platform: str, l2:
       functools.partial(_body, **kw),
       out_shape=out_shape,
       grid=(programs,),
-      in_specs=[pl.BlockSpec((NH,), lambda i: (0,))] + specs,
+      in_specs=[pl.BlockSpec((NHP,), lambda i: (0,))] + specs,
       out_specs=(row_spec, row_spec, col_spec, row_spec, col_spec),
       input_output_aliases=aliases,
       interpret=platform == "interpret",
@@ -113,5 +104,5 @@ def leaf_step(hvec, p2, g2, muc, mua, nuc, nua, out_dtype, *, platform: str, l2:
   start = programs * rows
   if start == nb:
     return results
-  tail = block_step(Hyper(hvec), *(x[start:] for x in args), out_dtype, **kw)
+  tail = block_step(read_hyper(hvec, HYPER), *(x[start:] for x in args), out_dtype, **kw)
   return tuple(y.at[start:].set(t) for y, t in zip(results, tail))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import numbers
 from typing import Any, NamedTuple
 
 import jax
@@ -12,11 +11,17 @@ from jax.experimental import checkify
 
 from optirs_jax import rules
 from optirs_jax.pallas.op import Hyper
-from optirs_jax.sparse._rowsparse import as_row_sparse, coalesce, is_sparse
+from optirs_jax.sparse._rowsparse import (
+  as_row_sparse,
+  coalesce,
+  is_sparse,
+  out_of_range_to_sentinel,
+)
 from optirs_jax.transforms._checks import (
   check_flag,
   check_number,
   check_number_or_schedule,
+  check_unit_interval,
 )
 from optirs_jax.transforms._checks import learning_rate as lr_at
 from optirs_jax.transforms.adam import adam_scalars
@@ -64,8 +69,7 @@ def _rows(g, unique: bool, check: bool, path: str):
     checkify.check(jnp.all((g.indices >= 0) & (g.indices < g.num_rows)),
                    f"leaf {path}: a row index is out of range 0..{g.num_rows - 1}")
   if unique:
-    idx = jnp.where((g.indices < 0) | (g.indices >= g.num_rows), g.num_rows, g.indices)
-    return idx.astype(jnp.int32), g.values
+    return out_of_range_to_sentinel(g.indices, g.num_rows).astype(jnp.int32), g.values
   return coalesce(g)
 
 
@@ -154,10 +158,8 @@ def sparse_adam(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: floa
   fn = "sparse_adam"
   lr = learning_rate
   check_number_or_schedule(fn, "learning_rate", lr)
-  for name, v in (("b1", b1), ("b2", b2)):
-    check_number(fn, name, v)
-    if isinstance(v, numbers.Real) and not 0 <= v < 1:
-      raise ValueError(f"{fn}: {name}={v!r} must be in [0, 1)")
+  check_unit_interval(fn, "b1", b1)
+  check_unit_interval(fn, "b2", b2)
   check_number(fn, "eps", eps)
   check_flag(fn, "catch_up", catch_up)
   check_flag(fn, "check_indices", check_indices)

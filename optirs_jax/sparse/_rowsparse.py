@@ -41,11 +41,11 @@ class RowSparse:
 
   def to_dense(self) -> jax.Array:
     """The dense gradient (duplicates summed; out-of-range rows dropped)."""
-    idx = _out_of_range_to_sentinel(self.indices, self.num_rows)
+    idx = out_of_range_to_sentinel(self.indices, self.num_rows)
     return jnp.zeros(self.shape, self.dtype).at[idx].add(self.values, mode="drop")
 
 
-def _out_of_range_to_sentinel(indices, num_rows):
+def out_of_range_to_sentinel(indices, num_rows):
   # Negative indices would wrap around in jnp's indexing: send them past the end instead,
   # where scatters with mode="drop" ignore them.
   return jnp.where((indices < 0) | (indices >= num_rows), num_rows, indices)
@@ -55,7 +55,7 @@ def coalesce(g: RowSparse) -> tuple[jax.Array, jax.Array]:
   """``(rows, values)`` with each row once (duplicates summed), sorted, padded to ``n``
   entries by the out-of-range row ``num_rows`` (which gathers zeros and scatters nowhere)."""
   n = g.indices.shape[0]
-  idx = _out_of_range_to_sentinel(g.indices.astype(jnp.int32), g.num_rows)
+  idx = out_of_range_to_sentinel(g.indices.astype(jnp.int32), g.num_rows)
   rows, inverse = jnp.unique(idx, size=n, fill_value=g.num_rows, return_inverse=True)
   values = jax.ops.segment_sum(g.values, inverse.reshape(-1), num_segments=n)
   return rows, values

@@ -26,6 +26,13 @@ def check_number(fn: str, name: str, value: Any, *, allow_none: bool = False) ->
     raise ValueError(f"{fn}: {name} must be a scalar; got an array of shape {value.shape}")
 
 
+def check_unit_interval(fn: str, name: str, value: Any) -> None:
+  """A number (or scalar array) in [0, 1), such as a decay rate; traced values pass."""
+  check_number(fn, name, value)
+  if isinstance(value, numbers.Real) and not 0 <= value < 1:
+    raise ValueError(f"{fn}: {name}={value!r} must be in [0, 1)")
+
+
 def check_number_or_schedule(fn: str, name: str, value: Any) -> None:
   if callable(value):
     return
