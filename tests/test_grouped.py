@@ -7,13 +7,17 @@ stores the Triton kernel uses). Here: its planner, mixed dtypes in one launch, a
 export (launch counts and in-place aliasing).
 """
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import optirs_jax
-from optirs_jax.planning.layout import MAX_POINTERS_PER_CALL, plan_grouped_calls
+from optirs_jax.pallas.grouped import SEGMENT_ROWS, segment_totals
+from optirs_jax.pallas.op import LANES
+from optirs_jax.planning.layout import MAX_POINTERS_PER_CALL, GroupedCall, plan_grouped_calls
 from tests import cases
 from tests.test_lowering import TRITON, abstract_target, cuda_triton_calls
 
@@ -27,6 +31,46 @@ def test_plan_splits_at_the_pointer_budget_and_skips_empty_leaves():
   assert first.sizes[:3] == (5, 2048, 1025) and first.starts[:4] == (0, 1, 3, 5)
   np.testing.assert_array_equal(first.block_owner()[:5], [0, 1, 1, 2, 2])
   assert first.num_blocks == len(first.block_owner())
+
+
+def test_segment_totals_add_each_leafs_blocks():
+  # Leaves of 1 block, of more blocks than one program adds (three programs, the last
+  # one partial), and a few blocks; lane 0 of each row holds a block's sum, the other
+  # lanes must be ignored.
+  counts = [1, 2 * SEGMENT_ROWS + 37, 5, 1]
+  starts = tuple(int(s) for s in np.cumsum([0] + counts))
+  call = GroupedCall(tuple(range(4)), tuple(c * 1024 for c in counts), starts, 1024)
+  rng = np.random.default_rng(1)
+  sums = [rng.random(starts[-1]).astype(np.float32) for _ in range(2)]
+  partials = []
+  for s in sums:
+    rows = rng.random((starts[-1], 1, LANES)).astype(np.float32) * 1e6  # noise in lanes 1..
+    rows[:, 0, 0] = s
+    partials.append(jnp.asarray(rows))
+  totals = jax.jit(lambda ps: segment_totals(ps, call, platform="interpret"))(partials)
+  for s, t in zip(sums, totals):
+    want = [np.sum(s[a:b], dtype=np.float64) for a, b in itertools.pairwise(starts)]
+    np.testing.assert_allclose(np.asarray(t), want, rtol=1e-6)
+  assert segment_totals([], call, platform="interpret") == []
+
+
+def test_lamb_holds_no_reduction_or_scatter_on_the_gpu():
+  # LAMB's fused apply on 60 leaves: the first pass, the per-leaf totals of its norms and
+  # the second pass are grouped launches; no XLA reduction per leaf, no scatter.
+  params = {f"w{i:02d}": jnp.zeros((i % 7 + 1, 1000 + i)) for i in range(60)}
+  opt = optirs_jax.lamb(1e-3, weight_decay=0.01)
+  shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                        (params, opt.init(params), params))
+  with abstract_target("NVIDIA H200", "cuda"):
+    exp = jax.export.export(
+        jax.jit(lambda p, s, g: optirs_jax.apply(opt, g, s, p), donate_argnums=(0, 1)),
+        platforms=["cuda"],
+        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON)])(*shapes)
+  text = exp.mlir_module()
+  # 60 leaves x 7 buffers is two first-pass launches and two of totals; the second pass
+  # reads and writes 3 buffers a leaf: one launch.
+  assert text.count(TRITON) == 5
+  assert "stablehlo.reduce" not in text and "stablehlo.scatter" not in text
 
 
 def test_plan_splits_at_the_grid_bound():
@@ -81,7 +125,8 @@ def test_leaves_of_different_dtypes_share_a_launch(name):
     rtol = {jnp.dtype(jnp.bfloat16): 2**-7, jnp.dtype(jnp.float16): 2**-10}.get(a.dtype, 1e-6)
     np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
                                rtol=rtol, atol=1e-9 if rtol == 1e-6 else 1e-5)
-  assert cuda_triton_calls(step, params, opt.init(params), grads) == 1
+  # LAMB: the first pass, the per-leaf totals of its norms, the second pass.
+  assert cuda_triton_calls(step, params, opt.init(params), grads) == (3 if name == "lamb" else 1)
 
 
 def test_one_launch_per_pointer_budget_and_state_in_place():
@@ -103,3 +148,39 @@ def test_one_launch_per_pointer_budget_and_state_in_place():
   assert text.count(TRITON) == 2
   # every donated param, mu and nu is aliased to its output (3 per leaf), and the count
   assert text.count("tf.aliasing_output") == 3 * len(params) + 1
+
+
+def _scaled(h, x, *, compute_dtype=None):
+  del compute_dtype
+  return (x * jnp.asarray(h.s, x.dtype) + jnp.asarray(h.t, x.dtype),)
+
+
+def test_per_leaf_scalars_reach_their_leaves():
+  # An op reading two per-leaf scalars: y = x * s_i + t_i, leaf by leaf, against numpy.
+  # A complex leaf in the middle runs on the reference, so the grouped launch's leaves
+  # are not a contiguous run of the rows; 200 leaves of 2 buffers span two launches.
+  from optirs_jax.pallas.dispatch import execute
+  from optirs_jax.pallas.op import ElementwiseOp
+  op = ElementwiseOp(_scaled, ("t0",), (0.0,), name="scaled", leaf_hyper=("s", "t"))
+  rng = np.random.default_rng(2)
+  xs = [rng.standard_normal((i % 5 + 1, 3 + 97 * (i % 3))).astype(np.float32) for i in range(200)]
+  xs[7] = (xs[7] + 1j * xs[7]).astype(np.complex64)
+  values = rng.standard_normal((200, 2)).astype(np.float32)
+  for backend in ("jnp", "pallas"):
+    outs, norms = jax.jit(lambda xs, v, backend=backend: execute(
+        op, {"t0": 0.0}, [(x,) for x in xs], backend=backend, leaf_values=v))(
+        [jnp.asarray(x) for x in xs], jnp.asarray(values))
+    assert norms is None
+    for x, (s, t), (y,) in zip(xs, values, outs):
+      np.testing.assert_allclose(np.asarray(y), x * s + t, rtol=1e-6, atol=1e-6)
+
+
+def test_per_leaf_scalars_of_the_wrong_shape_are_an_error():
+  from optirs_jax.pallas.dispatch import execute
+  from optirs_jax.pallas.op import ElementwiseOp
+  op = ElementwiseOp(_scaled, ("t0",), (0.0,), name="scaled", leaf_hyper=("s", "t"))
+  leaves = [(jnp.ones(3),), (jnp.ones(4),)]
+  with pytest.raises(ValueError, match=r"must have shape \(2, 2\).*got \(2, 1\)"):
+    execute(op, {"t0": 0.0}, leaves, backend="jnp", leaf_values=jnp.ones((2, 1)))
+  with pytest.raises(ValueError, match=r"must have shape \(2, 2\).*got None"):
+    execute(op, {"t0": 0.0}, leaves, backend="pallas")

@@ -17,7 +17,11 @@ from tests import cases
 BACKENDS = ["jnp", "pallas"]
 
 
-def _tol(backend):
+def _tol(backend, name=""):
+  if backend == "jnp" and name == "lamb" and jax.default_backend() == "gpu":
+    # XLA on a GPU sums LAMB's norms in an order that depends on the program's fusions:
+    # one ulp of the trust ratio (test_dtypes likewise).
+    return {"rtol": 1e-6, "atol": 0.0}
   return {"rtol": 0.0, "atol": 0.0} if backend == "jnp" else {"rtol": 1e-6, "atol": 1e-9}
 
 
@@ -33,7 +37,7 @@ def test_one_step_matches_optax(case, backend):
     u, state = jax.jit(ours.update)(grads, state, params)
     with jax.numpy_dtype_promotion("standard"):
       ru, ref_state = jax.jit(ref.update)(grads, ref_state, params)
-    chex.assert_trees_all_close(u, ru, **_tol(backend))
+    chex.assert_trees_all_close(u, ru, **_tol(backend, name))
     chex.assert_trees_all_equal_dtypes(u, ru)
     chex.assert_trees_all_equal_shapes(u, ru)
 

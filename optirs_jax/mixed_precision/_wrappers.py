@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import optax
 
 from optirs_jax.dtypes import widened
+from optirs_jax.mixed_precision._finite import unscaled_all_finite
 from optirs_jax.mixed_precision._loss_scale import (
   DynamicLossScale,
   LossScale,
@@ -126,8 +127,8 @@ def with_loss_scaling(inner: optax.GradientTransformation,
     ls = state.loss_scale
     inv = None if isinstance(ls, NoOpLossScale) else 1.0 / jnp.asarray(ls.loss_scale,
                                                                           jnp.float32)
-    # Read-only: XLA fuses the unscale into the reduction, nothing is written.
-    finite = all_finite(ls.unscale(grads))
+    # Read-only, nothing is written: on the GPU one grouped pass over the gradients.
+    finite = unscaled_all_finite(jax.tree.leaves(grads), inv)
     new_params, new_inner = fused(grads, state.inner_state, params, inv_scale=inv,
                                   finite=finite)
     return new_params, _next(state, finite, new_inner)

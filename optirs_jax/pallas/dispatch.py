@@ -25,9 +25,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from optirs_jax.pallas import sharding
-from optirs_jax.pallas.grouped import grouped_call
+from optirs_jax.pallas.grouped import grouped_call, segment_totals
 from optirs_jax.pallas.kernel import whole_leaf
-from optirs_jax.pallas.op import ElementwiseOp, Hyper, call_rule, hyper_vector, output_dtypes
+from optirs_jax.pallas.op import (
+  ElementwiseOp,
+  Hyper,
+  call_rule,
+  hyper_vector,
+  leaf_rows,
+  output_dtypes,
+  take_rows,
+  with_leaf_values,
+)
 from optirs_jax.pallas.options import DEFAULT_OPTIONS, ExecutorOptions
 from optirs_jax.pallas.packed import run_packed
 from optirs_jax.planning.layout import MAX_GROUPED_LEAF_ELEMENTS, plan_grouped_calls, runs_in_place
@@ -59,19 +68,28 @@ def _psum_varying(x: jax.Array, value: jax.Array, axes: Sequence[str]) -> jax.Ar
   return jax.lax.psum(value, over) if over else value
 
 
+def _leaf_hyper(op: ElementwiseOp, h: Mapping, values, i: int) -> Hyper:
+  """``h`` with leaf ``i``'s values of the op's per-leaf scalars (row ``i`` of ``values``)."""
+  if not op.leaf_hyper:
+    return Hyper(h)
+  return Hyper(h, **{name: values[i, k] for k, name in enumerate(op.leaf_hyper)})
+
+
 def reference(op: ElementwiseOp, h: Mapping, leaves: Sequence[Leaf],
-              norm_axes: Sequence[str] = ()):
+              norm_axes: Sequence[str] = (), leaf_values: jax.Array | None = None):
   """The jnp reference: the rule on each leaf, norms by ``jnp.linalg.norm`` (or, over
   ``norm_axes`` inside a ``shard_map``, by a ``psum`` of local sums of squares)."""
-  h = Hyper(h)
+  hs = [_leaf_hyper(op, h, leaf_values, i) for i in range(len(leaves))]
   index = lambda x: jnp.arange(x.size, dtype=jnp.uint32).reshape(x.shape)
-  outs = [tuple(call_rule(op, h, leaf, index(leaf[0]) if op.indexed else None))
-          for leaf in leaves]
+  outs = [tuple(call_rule(op, hi, leaf, index(leaf[0]) if op.indexed else None))
+          for hi, leaf in zip(hs, leaves)]
   if not op.has_norms:
     return outs, None
   norms = []
-  for leaf, out in zip(leaves, outs):
+  for hi, leaf, out in zip(hs, leaves, outs):
     xs = [leaf[i] for i in op.norm_inputs] + [out[i] for i in op.norm_outputs]
+    if op.source is not None:
+      xs = [op.source(hi, x) for x in xs]
     if norm_axes:
       values = [jnp.sqrt(_psum_varying(leaf[0], _sum_sq(x), norm_axes)) for x in xs]
     else:
@@ -105,6 +123,8 @@ def _on_reference(op: ElementwiseOp, leaf: Leaf, platform: str, options: Executo
   large = runs_in_place(leaf[0].size,
                         solo_min_elements=options.solo_min_blocks * tiling.block_elems,
                         solo_multiple=tiling.lanes)
+  if op.leaf_hyper and _route(op, leaf, platform, options) != "group":
+    return True  # per-leaf scalars: only the grouped kernel reads them
   if large:
     return large_on_reference
   if options.small_leaf_policy == "reference":  # a leaf the default plan would pack
@@ -122,7 +142,8 @@ def _local_kernels(op: ElementwiseOp, platform: str, options: ExecutorOptions, h
   of the op's norm sources. (Interpret mode cannot run on varying operands inside a
   ``shard_map`` that checks them: there the kernel's math runs in jnp, leaf by leaf.)"""
   if platform == "interpret" and any(sharding.varying_axes(x) for leaf in leaves for x in leaf):
-    results = [whole_leaf(op, hvec, leaf, dts) for leaf, dts in zip(leaves, out_dtypes)]
+    results = [whole_leaf(op, hvec, leaf, dts, j)
+               for j, (leaf, dts) in enumerate(zip(leaves, out_dtypes))]
     return [r[0] for r in results], [r[1] for r in results]
   routes = [_route(op, leaf, platform, options) for leaf in leaves]
   outs: list = [None] * len(leaves)
@@ -134,6 +155,7 @@ def _local_kernels(op: ElementwiseOp, platform: str, options: ExecutorOptions, h
     for j, i in enumerate(members):
       sums[i] = tuple(jnp.sum(part[starts[j]:starts[j + 1]]) for part in partials)
 
+  n_leaf_hyper = len(op.leaf_hyper)
   if g_idx := [i for i, r in enumerate(routes) if r == "group"]:
     tiling = options.grouped_tiling
     n_ops = len(leaves[g_idx[0]]) + len(out_dtypes[g_idx[0]])
@@ -141,13 +163,19 @@ def _local_kernels(op: ElementwiseOp, platform: str, options: ExecutorOptions, h
                                    block_elems=tiling.block_elems, operands_per_leaf=n_ops):
       members = [g_idx[k] for k in call.leaves]
       aliases = [op.in_place(tuple(x.dtype for x in leaves[i]), out_dtypes[i]) for i in members]
-      results, partials = grouped_call(op, hvec, [leaves[i] for i in members],
+      h_call = hvec
+      if n_leaf_hyper:  # the members' per-leaf values, after the shared ones
+        rows = leaf_rows(hvec, len(leaves), n_leaf_hyper)
+        h_call = with_leaf_values(hvec, take_rows(rows, members))
+      results, partials = grouped_call(op, h_call, [leaves[i] for i in members],
                                        [out_dtypes[i] for i in members], call,
                                        platform=platform, tiling=tiling, aliases=aliases)
       for i, res in zip(members, results):
         outs[i] = tuple(y.reshape(leaves[i][0].shape) for y in res)
-      if partials:
-        set_sums(members, partials, call.block_owner())
+      if partials:  # per-leaf totals in one launch
+        totals = segment_totals(partials, call, platform=platform)
+        for j, i in enumerate(members):
+          sums[i] = tuple(t[j] for t in totals)
 
   if p_idx := [i for i, r in enumerate(routes) if r == "packed"]:
     tiling = options.tiling(platform)
@@ -164,12 +192,13 @@ def _local_kernels(op: ElementwiseOp, platform: str, options: ExecutorOptions, h
 
 def _kernels(op: ElementwiseOp, h: Mapping, leaves: Sequence[Leaf], platform: str,
              options: ExecutorOptions, large_on_reference: bool = False,
-             norm_axes: Sequence[str] = ()):
+             norm_axes: Sequence[str] = (), leaf_values: jax.Array | None = None):
   on_ref = [_on_reference(op, leaf, platform, options, large_on_reference) for leaf in leaves]
   outs: list = [None] * len(leaves)
   norms: list = [None] * len(leaves)
   if ref_idx := [i for i, r in enumerate(on_ref) if r]:
-    r_outs, r_norms = reference(op, h, [leaves[i] for i in ref_idx], norm_axes)
+    r_outs, r_norms = reference(op, h, [leaves[i] for i in ref_idx], norm_axes,
+                                take_rows(leaf_values, ref_idx) if op.leaf_hyper else None)
     for j, i in enumerate(ref_idx):
       outs[i] = r_outs[j]
       norms[i] = r_norms[j] if r_norms is not None else None
@@ -179,8 +208,11 @@ def _kernels(op: ElementwiseOp, h: Mapping, leaves: Sequence[Leaf], platform: st
     n_sums = len(op.norm_inputs) + len(op.norm_outputs)
     local = lambda hvec, local_leaves: _local_kernels(op, platform, options, hvec,
                                                       local_leaves, out_dtypes)
+    # With per-leaf scalars, local leaf j's values follow the shared ones in its vector,
+    # at NHP + j * len(op.leaf_hyper).
     k_outs, k_sums = sharding.run_local(local, hyper_vector(h, op.hyper), k_leaves, out_dtypes,
-                                        n_sums, tuple(norm_axes))
+                                        n_sums, tuple(norm_axes),
+                                        take_rows(leaf_values, k_idx) if op.leaf_hyper else None)
     for j, i in enumerate(k_idx):
       outs[i] = k_outs[j]
       if n_sums:
@@ -241,7 +273,7 @@ def check_pallas_dtypes(leaves: Sequence[Leaf], paths: Sequence[str]) -> None:
 
 def execute(op: ElementwiseOp, h: Mapping, leaves: Sequence[Leaf], *, backend: str,
             options: ExecutorOptions = DEFAULT_OPTIONS, fused_apply: bool = False,
-            norm_axes: Sequence[str] = ()):
+            norm_axes: Sequence[str] = (), leaf_values: jax.Array | None = None):
   """Runs ``op`` on every leaf with the chosen backend.
 
   Args:
@@ -255,15 +287,23 @@ def execute(op: ElementwiseOp, h: Mapping, leaves: Sequence[Leaf], *, backend: s
       rather than the updates; see ``ExecutorOptions.updates_on_reference``.
     norm_axes: inside a ``shard_map``, the mesh axes the leaves are sharded over: a leaf's
       norms are summed over those it varies over (outside, shardings say it).
+    leaf_values: for an op with ``leaf_hyper``, a ``[leaves, len(op.leaf_hyper)]`` array:
+      row ``i`` holds leaf ``i``'s values (in its dtype on the reference, float32 in a
+      kernel).
 
   Returns:
     ``(outs, norms)``: per leaf the rule's outputs, and per leaf a tuple of norms (or None).
   """
   leaves = [tuple(leaf) for leaf in leaves]
   norm_axes = tuple(norm_axes)
-  ref = lambda: reference(op, h, leaves, norm_axes)
+  want = (len(leaves), len(op.leaf_hyper))
+  if op.leaf_hyper and (leaf_values is None or tuple(jnp.shape(leaf_values)) != want):
+    got = None if leaf_values is None else tuple(jnp.shape(leaf_values))
+    raise ValueError(f"op {op.name} reads per-leaf scalars {op.leaf_hyper}: leaf_values must "
+                     f"have shape {want} (leaves, scalars per leaf); got {got}")
+  ref = lambda: reference(op, h, leaves, norm_axes, leaf_values)
   kernel = lambda platform, on_ref=False: lambda: _kernels(op, h, leaves, platform, options,
-                                                           on_ref, norm_axes)
+                                                           on_ref, norm_axes, leaf_values)
   if backend == "jnp" or not leaves:
     return ref()
   targets = lowering_targets(leaves)

@@ -136,13 +136,16 @@ def _call(op, hvec, inputs, out_dtypes, block_shape, *, platform, tiling, aliase
   return tuple(data + partials)
 
 
-def whole_leaf(op: ElementwiseOp, hvec: jax.Array, leaf: Sequence[jax.Array], out_dtypes):
+def whole_leaf(op: ElementwiseOp, hvec: jax.Array, leaf: Sequence[jax.Array], out_dtypes,
+               position: int = 0):
   """The kernel's math on a whole leaf in jnp (what interpret mode runs inside a
   ``shard_map``, where Pallas' interpreter cannot check varying axes): its outputs and the
-  float32 sums of squares of the op's norm sources."""
+  float32 sums of squares of the op's norm sources. ``position``: the leaf's place in
+  ``hvec``'s per-leaf values."""
   flat = [x.reshape(-1) for x in leaf]
   index = block_index(flat[0].shape) if op.indexed else None
-  outs, sources = block_math(op, read_hyper(hvec, op.hyper), flat, out_dtypes, index)
+  h = read_hyper(hvec, op.hyper, op.leaf_hyper, position)
+  outs, sources = block_math(op, h, flat, out_dtypes, index)
   return (tuple(y.reshape(leaf[0].shape) for y in outs),
           tuple(jnp.sum(x * x) for x in sources))
 

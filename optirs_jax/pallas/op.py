@@ -15,6 +15,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 NHP = 32  # hyper-parameter vector length: a power of two, 128 bytes of f32.
 LANES = 128
@@ -52,6 +53,14 @@ class ElementwiseOp:
     mixed_on_kernels: a leaf whose inputs have several dtypes may run in a kernel (the rule
       computes it in float32 by design); otherwise it runs on the reference, whose
       op-by-op promotion (weak Python-float scalars included) a kernel cannot repeat.
+    leaf_hyper: names of scalars that differ from leaf to leaf (LAMB's per-leaf norms in
+      its second pass): the executor takes one value per leaf and name, and the rule
+      reads them from ``h`` like the others. Kernels read them from the launch's
+      hyper-parameter vector, after the ``NHP`` shared ones; only the grouped kernel
+      takes them (other layouts run such an op on the reference).
+    source: ``source(h, x)``, applied to each norm source before its sum of squares (a
+      module-level function; ``None``: the source itself). ``x * 0`` makes the "norm" a
+      finiteness check: 0 where every element is finite, NaN elsewhere.
   """
 
   rule: Callable
@@ -63,6 +72,8 @@ class ElementwiseOp:
   name: str = "optirs_kernel"
   indexed: bool = False
   mixed_on_kernels: bool = False
+  leaf_hyper: tuple[str, ...] = ()
+  source: Callable | None = None
 
   @property
   def has_norms(self) -> bool:
@@ -83,7 +94,8 @@ def output_dtypes(op: ElementwiseOp, h: Mapping, leaves: Sequence[Sequence[jax.A
     key = tuple(jnp.dtype(x.dtype) for x in leaf)
     if key not in cache:
       scalars = [jax.ShapeDtypeStruct((), dt) for dt in key]
-      results = jax.eval_shape(lambda *a: tuple(call_rule(op, Hyper(h), a, jnp.uint32(0))),
+      hl = Hyper(h, **{name: jnp.float32(0) for name in op.leaf_hyper})
+      results = jax.eval_shape(lambda *a, hl=hl: tuple(call_rule(op, hl, a, jnp.uint32(0))),
                                *scalars)
       cache[key] = tuple(a.dtype for a in results)
     out.append(cache[key])
@@ -107,9 +119,38 @@ def hyper_vector(h: Mapping, names: Sequence[str]) -> jax.Array:
   return jnp.stack(values)
 
 
-def read_hyper(h_ref, names: Sequence[str]) -> Hyper:
-  """The scalars of a kernel's hyper-parameter vector (a ref or an array), by name."""
-  return Hyper({name: h_ref[i] for i, name in enumerate(names)})
+def read_hyper(h_ref, names: Sequence[str], leaf_names: Sequence[str] = (),
+               leaf: int = 0) -> Hyper:
+  """The scalars of a kernel's hyper-parameter vector (a ref or an array), by name: the
+  shared ones first, then (``leaf_names``) those of the ``leaf``-th leaf of the launch,
+  which sit at ``NHP + leaf * len(leaf_names)``."""
+  h = Hyper({name: h_ref[i] for i, name in enumerate(names)})
+  base = NHP + leaf * len(leaf_names)
+  h.update({name: h_ref[base + j] for j, name in enumerate(leaf_names)})
+  return h
+
+
+def take_rows(values: jax.Array, rows: Sequence[int]) -> jax.Array:
+  """``values[rows]`` for static ``rows``: a slice when they are a contiguous run."""
+  rows = list(rows)
+  if rows == list(range(rows[0], rows[0] + len(rows))):
+    return values[rows[0]:rows[0] + len(rows)]
+  return jnp.take(values, np.asarray(rows), axis=0)
+
+
+def with_leaf_values(hvec: jax.Array, values: jax.Array) -> jax.Array:
+  """A launch's hyper-parameter vector: the shared ``f32[NHP]`` of ``hvec`` followed by
+  ``values`` (``[leaves, per-leaf scalars]``) row by row, zero-padded to a power of two
+  (a Triton block's length). A few array ops, whatever the number of leaves."""
+  flat = values.astype(jnp.float32).reshape(-1)
+  size = NHP + flat.size
+  padded = 1 << (size - 1).bit_length()
+  return jnp.concatenate([hvec[:NHP], flat, jnp.zeros((padded - size,), jnp.float32)])
+
+
+def leaf_rows(hvec: jax.Array, leaves: int, per_leaf: int) -> jax.Array:
+  """The ``[leaves, per_leaf]`` values :func:`with_leaf_values` appended to ``hvec``."""
+  return hvec[NHP:NHP + leaves * per_leaf].reshape(leaves, per_leaf)
 
 
 def block_math(op: ElementwiseOp, h: Hyper, blocks: Sequence[jax.Array], out_dtypes: Sequence,
@@ -125,6 +166,8 @@ def block_math(op: ElementwiseOp, h: Hyper, blocks: Sequence[jax.Array], out_dty
   outs = [x.astype(dt) for x, dt in zip(results, out_dtypes)]
   sources = [ins[i] for i in op.norm_inputs] + [outs[i].astype(jnp.float32)
                                                 for i in op.norm_outputs]
+  if op.source is not None:
+    sources = [op.source(h, x) for x in sources]
   return outs, sources
 
 

@@ -25,6 +25,8 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from optirs_jax.pallas.op import take_rows, with_leaf_values
+
 
 def _manual_type(x):
   return getattr(jax.typeof(x), "manual_axis_type", None)
@@ -84,25 +86,30 @@ LocalFn = Callable[[jax.Array, list], tuple[list, list]]
 
 
 def run_local(local: LocalFn, hvec: jax.Array, leaves: Sequence[tuple], out_dtypes,
-              n_sums: int, norm_axes: tuple[str, ...] = ()):
+              n_sums: int, norm_axes: tuple[str, ...] = (), leaf_values=None):
   """Runs ``local(hvec, leaves) -> (outs per leaf, sums of squares per leaf)`` on each
   device's shard of ``leaves``, as the leaves are placed.
 
   Args:
     local: the kernel executor on (local) leaves; ``sums`` per leaf is a tuple of
       ``n_sums`` float32 scalars.
-    hvec: the hyper-parameter vector (replicated).
+    hvec: the hyper-parameter vector (replicated); ``local`` gets it followed by its
+      leaves' ``leaf_values`` (:func:`~optirs_jax.pallas.op.with_leaf_values`).
     leaves: per leaf, equal-shape arrays.
     out_dtypes: per leaf, the outputs' dtypes.
     n_sums: sums of squares per leaf.
     norm_axes: inside a ``shard_map``, the mesh axes over which the leaves are sharded
       (their sums are added over them); elsewhere the axes are read from the shardings.
+    leaf_values: ``[leaves, scalars per leaf]`` (an op's per-leaf hyper-parameters), or
+      None.
 
   Returns:
     ``(outs, sums)`` for the whole leaves.
   """
   if in_manual_context():
-    return _manual(local, hvec, leaves, n_sums, norm_axes)
+    return _manual(local, hvec, leaves, n_sums, norm_axes, leaf_values)
+  if leaf_values is not None:
+    hvec = with_leaf_values(hvec, leaf_values)
   explicit = [_explicit(leaf[0]) for leaf in leaves]
   if any(s is not None for s in explicit):
     return _shard_mapped(local, hvec, leaves, explicit, out_dtypes, n_sums)
@@ -111,16 +118,18 @@ def run_local(local: LocalFn, hvec: jax.Array, leaves: Sequence[tuple], out_dtyp
   return _partitioned(local, hvec, leaves, out_dtypes, n_sums)
 
 
-def _manual(local, hvec, leaves, n_sums, norm_axes):
+def _manual(local, hvec, leaves, n_sums, norm_axes, leaf_values):
   """Inside a ``shard_map``: one kernel call per set of varying axes (a kernel's outputs
-  vary as its inputs do, so leaves that vary differently do not share a launch), sums of
-  squares added over the ``norm_axes`` each leaf varies over."""
+  vary as its inputs do, so leaves that vary differently do not share a launch, and each
+  call's vector holds only its own leaves' values), sums of squares added over the
+  ``norm_axes`` each leaf varies over."""
   kinds = [frozenset().union(*(varying_axes(x) for x in leaf)) for leaf in leaves]
   outs: list = [None] * len(leaves)
   sums: list = [None] * len(leaves)
   for kind in dict.fromkeys(kinds):
     idx = [i for i, k in enumerate(kinds) if k == kind]
-    o, s = local(hvec, [leaves[i] for i in idx])
+    h = hvec if leaf_values is None else with_leaf_values(hvec, take_rows(leaf_values, idx))
+    o, s = local(h, [leaves[i] for i in idx])
     over = tuple(a for a in norm_axes if a in kind)
     for j, i in enumerate(idx):
       outs[i] = o[j]

@@ -24,7 +24,9 @@ import optax
 
 from optirs_jax.pallas.dispatch import check_pallas_dtypes, execute
 from optirs_jax.pallas.op import ElementwiseOp, Hyper
-from optirs_jax.rounding import round_with_key, split16
+from optirs_jax.pallas.options import ExecutorOptions
+from optirs_jax.pallas.sharding import varying_axes
+from optirs_jax.rounding import split16
 from optirs_jax.spec import BoundRule, OptimizerSpec
 from optirs_jax.transforms import _checks as c
 
@@ -150,7 +152,7 @@ def build(spec: OptimizerSpec,
       first, new_master = _finish(spec, h, first, weights, p, m, norms, uses_master,
                                   fused=fused, guard=finite is not None,
                                   param_rounding=param_seed is not None,
-                                  cast_lr=cast_lr)
+                                  cast_lr=cast_lr, backend=backend, options=executor_options)
     new_fields = {f.name: jax.tree.unflatten(treedef, [o[k + 1] for o in outs])
                   for k, f in enumerate(fields)}
     new_count = optax.safe_increment(count)
@@ -236,33 +238,65 @@ def _op(spec: OptimizerSpec, options, names, mode: _Mode, *, decay: bool):
   return op, with_p, with_low
 
 
+@dataclasses.dataclass(frozen=True)
+class _WithNorms:
+  """A reduction's ``finish`` as a rule ``(h, r, *, p, cast_lr) -> (update,)``: the leaf's
+  norms are the per-leaf scalars ``h.norm_0``, ``h.norm_1``, ..."""
+
+  finish: Any
+  n: int
+
+  def __call__(self, h, g, *, p, cast_lr):
+    return (self.finish(h, g, p, *(h[f"norm_{k}"] for k in range(self.n)), cast_lr=cast_lr),)
+
+
+def _finish_op(spec: OptimizerSpec, n_norms: int, *, fused: bool, master: bool, guard: bool,
+               param_rounding: bool, cast_lr: bool) -> ElementwiseOp:
+  """The reduction's second pass as an elementwise op over ``(r, p[, p_low])``: the update,
+  or on the fused apply the new params in place (and the new master), with the guard and
+  the rounding; the norms are per-leaf scalars."""
+  rule = BoundRule(_WithNorms(spec.reduction.finish, n_norms), (), True,
+                   (("cast_lr", cast_lr),), apply=fused and not master, master=master,
+                   guard=guard, param_rounding=param_rounding)
+  if master:  # (r, master, p_low) -> (p_low, master)
+    aliases = ((2, 0), (1, 1))
+  else:  # (r, p) -> the new params in p's buffer, or the update in r's
+    aliases = ((1, 0),) if fused else ((0, 0),)
+  hyper = spec.hyper + (("finite",) if guard else ()) + (
+      ("count_lo", "count_hi", "pseed_lo", "pseed_hi") if param_rounding else ())
+  return ElementwiseOp(rule, hyper, (0.0,) * (2 + master), aliases, name=f"{spec.name}_finish",
+                       indexed=rule.indexed, mixed_on_kernels=rule.widens_mixed,
+                       leaf_hyper=tuple(f"norm_{k}" for k in range(n_norms)))
+
+
 def _finish(spec: OptimizerSpec, h, first, weights, p, m, norms, uses_master, *, fused: bool,
-            guard: bool, param_rounding: bool, cast_lr: bool):
-  """The reduction's second pass in jnp (XLA fuses it per leaf): the update, or on the
-  fused apply the new params (and the new masters), with the guard and the rounding."""
-  outs, masters = [], (list(m) if m is not None else None)
-  for i, r in enumerate(first):
-    u = spec.reduction.finish(h, r, weights[i], *norms[i], cast_lr=cast_lr)
-    key = (h.pseed_lo, h.pseed_hi, h.count_lo, h.count_hi) if param_rounding else None
-
-    def cast(x, dtype, key=key, shape=r.shape):
-      if key is None or not fused:
-        return x.astype(dtype)
-      index = jnp.arange(x.size, dtype=jnp.uint32).reshape(shape)
-      return round_with_key(x, dtype, key, 0, index)
-
-    if uses_master[i]:
-      masters[i] = (m[i] + u).astype(m[i].dtype)
-      out = cast(masters[i], p[i].dtype)
-    elif fused:
-      with jax.numpy_dtype_promotion("standard"):
-        out = cast(p[i] + u, p[i].dtype)
-    else:
-      out = u
-    if guard:
-      finite = h.finite > 0
-      out = jnp.where(finite, out, p[i] if fused else jnp.zeros_like(out))
-      if uses_master[i]:
-        masters[i] = jnp.where(finite, masters[i], m[i])
-    outs.append(out)
+            guard: bool, param_rounding: bool, cast_lr: bool, backend: str,
+            options: ExecutorOptions):
+  """The reduction's second pass, one elementwise op per variant (with or without a master
+  copy) through the executors: on the GPU one grouped launch reads each leaf's norms from
+  its hyper-parameter vector; on the reference XLA fuses it per leaf."""
+  outs: list[Any] = [None] * len(first)
+  masters = list(m) if m is not None else None
+  n_norms = len(spec.reduction.inputs) + len(spec.reduction.outputs)
+  # Inside a shard_map a leaf's norms vary over the axes its shards do (unless summed over
+  # them): leaves whose norms vary alike share one array of norms, so a replicated leaf's
+  # update stays replicated.
+  kinds = [frozenset().union(*(varying_axes(x) for x in norms[i])) for i in range(len(first))]
+  for in_master, kind in sorted(set(zip(uses_master, kinds)), key=lambda v: (v[0], sorted(v[1]))):
+    idx = [i for i in range(len(first)) if (uses_master[i], kinds[i]) == (in_master, kind)]
+    op = _finish_op(spec, n_norms, fused=fused, master=in_master, guard=guard,
+                    param_rounding=fused and param_rounding, cast_lr=cast_lr)
+    leaves = [(first[i], weights[i]) + ((p[i],) if in_master else ()) for i in idx]
+    # One row of norms per leaf, in the widest of their dtypes (float64 norms of float64
+    # leaves stay exact; float32 ones convert back exactly).
+    with jax.numpy_dtype_promotion("standard"):
+      dtype = jnp.result_type(*(x for i in idx for x in norms[i]))
+    values = jnp.stack([jnp.stack([norms[i][k] for i in idx]).astype(dtype)
+                        for k in range(n_norms)], axis=1)
+    o, _ = execute(op, h, leaves, backend=backend, options=options, fused_apply=fused,
+                   leaf_values=values)
+    for j, i in enumerate(idx):
+      outs[i] = o[j][0]
+      if in_master:
+        masters[i] = o[j][1]
   return outs, masters
