@@ -5,7 +5,9 @@
 # Steps: env (versions), gemm (benchmarks/gemm_tflops.py), occupancy
 # (benchmarks/occupancy_vs_driver.py), tiling (benchmarks/tiling_variants.py), census
 # (benchmarks/hlo_census.py $CENSUS_ARGS), unpack (benchmarks/unpack_variants.py), policy
-# (benchmarks/policy_variants.sh), sharded (benchmarks/sharded_overhead.py), tests (the
+# (benchmarks/policy_variants.sh), sharded (benchmarks/sharded_overhead.py), grouped
+# (benchmarks/grouped_tiling.py $GROUPED_ARGS), breakdown (benchmarks/kernel_breakdown.py
+# for each "tree:optimizer" of $BREAKDOWN), tests (the
 # whole suite with the GPU visible, WORKERS pytest-xdist workers), bench (python -m
 # optirs_jax.bench $BENCH_ARGS).
 set -uo pipefail
@@ -43,6 +45,16 @@ if has unpack; then
 fi
 if has policy; then
   bash benchmarks/policy_variants.sh 2>&1 | tee -a "$OUT/extras.txt"
+fi
+if has grouped; then
+  timeout ${GROUPED_TIMEOUT:-200} python3 benchmarks/grouped_tiling.py ${GROUPED_ARGS:-} 2>&1 \
+    | tee -a "$OUT/grouped.txt"
+fi
+if has breakdown; then
+  for case in ${BREAKDOWN:-gpt2:lamb gpt2:adamw_bf16_master}; do
+    timeout 120 python3 benchmarks/kernel_breakdown.py "${case%%:*}" "${case##*:}" optirs-apply \
+      2>&1 | grep -v "^WARNING\|^I0000\|^E0000" | tee -a "$OUT/breakdown.txt"
+  done
 fi
 if has tests; then
   # Several workers share the GPU (no preallocation); Triton compiles run in parallel.

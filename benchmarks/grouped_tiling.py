@@ -1,0 +1,71 @@
+"""The grouped kernel's geometry on many leaves: elements per block
+(``ExecutorOptions.grouped_tiling``) x Triton warps x buffers per launch, Adam's fused apply
+on 2000 leaves of 16K float32 parameters (the bench's ``leaves`` tree) and on GPT-2 small;
+kernel time from the profiler (optirs_jax.bench.timing), as % of the copy bandwidth for 28
+bytes per parameter, and launches per step.
+
+  python3 benchmarks/grouped_tiling.py [rows,...] [warps,...] [tree,...] [pointers,...]
+
+Buffers per launch beyond 384 (8-byte pointers in a 4 KB parameter space) need CUDA's
+32 KB kernel parameters (CUDA 12.1, Volta or newer); a variant that fails prints why.
+"""
+
+import functools
+import sys
+
+import jax
+import jax.numpy as jnp
+
+import optirs_jax
+from optirs_jax.bench.cases import make_tree, tree_shapes
+from optirs_jax.bench.timing import kernel_seconds_per_step
+from optirs_jax.pallas import dispatch
+from optirs_jax.planning.layout import plan_grouped_calls
+
+ROWS = [int(v) for v in (sys.argv[1] if len(sys.argv) > 1 else "8,16,32,64").split(",")]
+WARPS = [int(v) for v in (sys.argv[2] if len(sys.argv) > 2 else "4,8").split(",")]
+TREES = (sys.argv[3] if len(sys.argv) > 3 else "leaves,gpt2").split(",")
+POINTERS = [int(v) for v in (sys.argv[4] if len(sys.argv) > 4 else "384").split(",")]
+
+
+def copy_gbps():
+  x = jnp.ones((1 << 28,), jnp.float32)
+  f = jax.jit(lambda x: x * 1.0000001)
+  t, _ = kernel_seconds_per_step(lambda x: f(x), x, 10)
+  return 2 * x.nbytes / t / 1e9
+
+
+def main():
+  bw = copy_gbps()
+  print(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}; copy {bw:.0f} GB/s; "
+        "Adam fused apply, 28 bytes per parameter")
+  for tree in TREES:
+    shapes = tree_shapes(tree, 1.0)
+    n = sum(int(jnp.prod(jnp.array(s))) for s in shapes.values())
+    grads = make_tree(shapes, 1)
+    for pointers, rows, warps in [(a, b, c) for a in POINTERS for b in ROWS for c in WARPS]:
+      dispatch.plan_grouped_calls = functools.partial(plan_grouped_calls, max_pointers=pointers)
+      tiling = optirs_jax.Tiling(block_rows=rows, num_warps=warps, flat=True)
+      tx = optirs_jax.adam(1e-3, executor_options=optirs_jax.ExecutorOptions(
+          grouped_tiling=tiling))
+      step = jax.jit(lambda p, s, tx=tx: optirs_jax.apply(tx, grads, s, p),
+                     donate_argnums=(0, 1))
+      label = f"{tree:8s} block {rows * 128:6d} warps {warps} pointers {pointers:5d}"
+      try:
+        params = make_tree(shapes, 0)
+        state = tx.init(params)
+        launches = step.lower(params, state).as_text().count("__gpu$xla.gpu.triton")
+        state = step(params, state)
+        t, state = kernel_seconds_per_step(lambda st, step=step: step(*st), state, 10)
+      except Exception as e:  # a variant the toolchain rejects is a result
+        print(f"{label}: failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+        continue
+      finally:
+        dispatch.plan_grouped_calls = plan_grouped_calls
+      print(f"{label}: {t * 1e3:7.3f} ms  {28 * n / t / 1e9 / bw:6.1%} of copy, "
+            f"{launches} launches", flush=True)
+      del state
+
+
+if __name__ == "__main__":
+  main()
