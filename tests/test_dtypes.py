@@ -115,6 +115,18 @@ def test_float64_params_with_x64_on_the_reference():
     chex.assert_trees_all_close(u, ru, rtol=0, atol=0)
 
 
+def test_lamb_on_float64_and_float32_leaves_with_x64():
+  # The second pass gets the norms of both leaves in one array (float64, the wider): the
+  # float32 leaf's norms convert back exactly, the float64 leaf's stay float64.
+  with jax.enable_x64(True):
+    ours, ref = cases.pair("lamb", {"weight_decay": 0.01}, "auto")
+    params = {"a": jnp.linspace(-1.0, 1.0, 50, dtype=jnp.float64),
+              "b": jnp.linspace(-2.0, 1.0, 70, dtype=jnp.float32)}
+    u, _, ru, _ = _run(ours, ref, params, jax.tree.map(lambda x: 0.5 * x, params))
+    assert (u["a"].dtype, u["b"].dtype) == (jnp.float64, jnp.float32)
+    chex.assert_trees_all_close(u, ru, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("params_dtype, grads_dtype", [(jnp.float32, jnp.bfloat16),
                                                        (jnp.bfloat16, jnp.float32)],

@@ -184,3 +184,19 @@ def test_per_leaf_scalars_of_the_wrong_shape_are_an_error():
     execute(op, {"t0": 0.0}, leaves, backend="jnp", leaf_values=jnp.ones((2, 1)))
   with pytest.raises(ValueError, match=r"must have shape \(2, 2\).*got None"):
     execute(op, {"t0": 0.0}, leaves, backend="pallas")
+
+
+def test_repeated_launches_are_traced_and_compiled_once():
+  # 200 equal leaves: LAMB's first pass is 4 launches (54 leaves of 7 buffers each), its
+  # totals 4, its second pass 2 (128 leaves of 3 buffers); equal plans share one jitted
+  # launch, so the module holds one Triton program per distinct plan (a full call and the
+  # last, shorter one, of each kind): 6, not 10.
+  params = {f"w{i:03d}": jax.ShapeDtypeStruct((4096,), jnp.float32) for i in range(200)}
+  opt = optirs_jax.lamb(1e-3)
+  shapes = (params, jax.eval_shape(opt.init, params), params)
+  with abstract_target("NVIDIA H200", "cuda"):
+    exp = jax.export.export(
+        jax.jit(lambda p, s, g: optirs_jax.apply(opt, g, s, p), donate_argnums=(0, 1)),
+        platforms=["cuda"],
+        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON)])(*shapes)
+  assert exp.mlir_module().count(TRITON) == 6

@@ -3,11 +3,13 @@
 The launch takes every leaf's operands as separate whole-array arguments (a compile-time
 table of buffers, planned by :func:`optirs_jax.planning.layout.plan_grouped_calls`). Its
 grid has one program per 1-D block of every leaf; program ``i`` finds the leaf that owns it
-by comparing ``i`` with the static block offsets (one branch per leaf, only the owner's
-runs), loads its block with a mask past the leaf's end, calls the op's rule and stores the
-results masked. Nothing is concatenated before the step or sliced after it, and leaves of
-any size or dtype share a launch, so a tree of many leaves costs a few launches and no
-copies; the state and, on the fused apply, the params are updated in place.
+by a binary search over the static block offsets (:func:`for_owner`: nested branches, only
+the owner's body runs), loads its block with a mask past the leaf's end, calls the op's rule
+and stores the results masked. Nothing is concatenated before the step or sliced after it,
+and leaves of any size or dtype share a launch, so a tree of many leaves costs a few
+launches and no copies; the state and, on the fused apply, the params are updated in place.
+Per-leaf norms: each program writes its block's sum of squares, and
+:func:`segment_totals` adds them per leaf in one more launch.
 
 This is the Apex multi-tensor-apply design with the address table fixed at trace time: a
 ``pallas_call`` takes whole arrays, not a runtime table of pointers, so one launch serves

@@ -291,7 +291,7 @@ def _finish(spec: OptimizerSpec, h, first, weights, p, m, norms, uses_master, *,
     # leaves stay exact; float32 ones convert back exactly).
     with jax.numpy_dtype_promotion("standard"):
       dtype = jnp.result_type(*(x for i in idx for x in norms[i]))
-    values = jnp.stack([jnp.stack([norms[i][k] for i in idx]).astype(dtype)
+    values = jnp.stack([jnp.stack([norms[i][k].astype(dtype) for i in idx])
                         for k in range(n_norms)], axis=1)
     o, _ = execute(op, h, leaves, backend=backend, options=options, fused_apply=fused,
                    leaf_values=values)
