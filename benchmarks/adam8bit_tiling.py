@@ -12,22 +12,15 @@ import jax
 import jax.numpy as jnp
 
 import optirs_jax
-from optirs_jax.bench.timing import kernel_seconds_per_step
+from optirs_jax.bench.timing import copy_bandwidth, kernel_seconds_per_step
 
 ROWS = [int(v) for v in (sys.argv[1] if len(sys.argv) > 1 else "1,2,4,8,16").split(",")]
 WARPS = [int(v) for v in (sys.argv[2] if len(sys.argv) > 2 else "1,2,4,8").split(",")]
 N = 50257 * 768  # GPT-2's token embedding
 
 
-def copy_gbps():
-  x = jnp.ones((1 << 28,), jnp.float32)
-  f = jax.jit(lambda x: x * 1.0000001)
-  t, _ = kernel_seconds_per_step(lambda x: f(x), x, 10)
-  return 2 * x.nbytes / t / 1e9
-
-
 def main():
-  bw = copy_gbps()
+  bw = copy_bandwidth(1 << 28, warmup=3, batches=1, steps=10) / 1e9
   print(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}; copy {bw:.0f} GB/s; "
         f"leaf {N} float32 parameters, 16 bytes each")
   params = {"w": jax.random.normal(jax.random.key(0), (N,))}

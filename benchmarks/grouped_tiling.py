@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 import optirs_jax
 from optirs_jax.bench.cases import make_tree, tree_shapes
-from optirs_jax.bench.timing import kernel_seconds_per_step
+from optirs_jax.bench.timing import copy_bandwidth, kernel_seconds_per_step
 from optirs_jax.pallas import dispatch
 from optirs_jax.planning.layout import plan_grouped_calls
 
@@ -28,15 +28,8 @@ TREES = (sys.argv[3] if len(sys.argv) > 3 else "leaves,gpt2").split(",")
 POINTERS = [int(v) for v in (sys.argv[4] if len(sys.argv) > 4 else "384").split(",")]
 
 
-def copy_gbps():
-  x = jnp.ones((1 << 28,), jnp.float32)
-  f = jax.jit(lambda x: x * 1.0000001)
-  t, _ = kernel_seconds_per_step(lambda x: f(x), x, 10)
-  return 2 * x.nbytes / t / 1e9
-
-
 def main():
-  bw = copy_gbps()
+  bw = copy_bandwidth(1 << 28, warmup=3, batches=1, steps=10) / 1e9
   print(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}; copy {bw:.0f} GB/s; "
         "Adam fused apply, 28 bytes per parameter")
   for tree in TREES:

@@ -75,16 +75,6 @@ def bench_torch(mode, opt, shapes, args):
           "step_memory_bytes": None}
 
 
-def copy_bandwidth(n: int, args) -> float:
-  """Bytes read plus written per second by an elementwise copy of ``n`` float32."""
-  x = jnp.arange(n, dtype=jnp.float32)
-  f = jax.jit(lambda x: -x, donate_argnums=0)  # in place, like the donated optimizer steps
-  sec, x, _ = timing.time_steps(f, x, warmup=args.warmup, batches=args.batches,
-                                per_batch=args.steps)
-  kernel, _ = timing.kernel_seconds_per_step(f, x, args.steps)
-  return 2 * 4 * n / (kernel if kernel else sec)
-
-
 def progress(total: int):
   """A tqdm bar on stderr (a plain counter when tqdm is not installed)."""
   try:
@@ -128,7 +118,8 @@ def run(args) -> dict:
   bar = progress(len(jobs) + 1)
   bar.set_postfix_str("copy bandwidth")
   copy_n = max(1 << 20, int((1 << 28) * scale))
-  copy_bw = copy_bandwidth(copy_n, args)
+  copy_bw = timing.copy_bandwidth(copy_n, warmup=args.warmup, batches=args.batches,
+                                  steps=args.steps)
   bar.update()
   rows = []
   header = meta(args, scale, copy_bw, copy_n)

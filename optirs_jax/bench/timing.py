@@ -74,6 +74,19 @@ def kernel_seconds_per_step(run_step, state, steps: int):
   return (None if seconds is None else seconds / steps), state
 
 
+def copy_bandwidth(n: int, *, warmup: int, batches: int, steps: int) -> float:
+  """Bytes read plus written per second by an elementwise copy of ``n`` float32 (donated,
+  in place, like the optimizer steps): from the profiler's kernel time where the trace has
+  a device plane, else from the wall time of ``batches`` x ``steps`` calls."""
+  import jax
+  import jax.numpy as jnp
+  x = jnp.arange(n, dtype=jnp.float32)
+  f = jax.jit(lambda x: -x, donate_argnums=0)
+  sec, x, _ = time_steps(f, x, warmup=warmup, batches=batches, per_batch=steps)
+  kernel, _ = kernel_seconds_per_step(f, x, steps)
+  return 2 * 4 * n / (kernel if kernel else sec)
+
+
 def first_call(fn, *args):
   """(the first call's outputs, its wall seconds: trace, compile and run)."""
   t0 = time.perf_counter()

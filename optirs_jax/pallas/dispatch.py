@@ -156,6 +156,7 @@ def _local_kernels(op: ElementwiseOp, platform: str, options: ExecutorOptions, h
       sums[i] = tuple(jnp.sum(part[starts[j]:starts[j + 1]]) for part in partials)
 
   n_leaf_hyper = len(op.leaf_hyper)
+  rows = leaf_rows(hvec, len(leaves), n_leaf_hyper) if n_leaf_hyper else None
   if g_idx := [i for i, r in enumerate(routes) if r == "group"]:
     tiling = options.grouped_tiling
     n_ops = len(leaves[g_idx[0]]) + len(out_dtypes[g_idx[0]])
@@ -164,8 +165,7 @@ def _local_kernels(op: ElementwiseOp, platform: str, options: ExecutorOptions, h
       members = [g_idx[k] for k in call.leaves]
       aliases = [op.in_place(tuple(x.dtype for x in leaves[i]), out_dtypes[i]) for i in members]
       h_call = hvec
-      if n_leaf_hyper:  # the members' per-leaf values, after the shared ones
-        rows = leaf_rows(hvec, len(leaves), n_leaf_hyper)
+      if rows is not None:  # the members' per-leaf values, after the shared ones
         h_call = with_leaf_values(hvec, take_rows(rows, members))
       results, partials = grouped_call(op, h_call, [leaves[i] for i in members],
                                        [out_dtypes[i] for i in members], call,
