@@ -2,7 +2,8 @@
 (``ExecutorOptions.grouped_tiling``) x Triton warps x buffers per launch, Adam's fused apply
 on 2000 leaves of 16K float32 parameters (the bench's ``leaves`` tree) and on GPT-2 small;
 kernel time from the profiler (optirs_jax.bench.timing), as % of the copy bandwidth for 28
-bytes per parameter, and grouped launches per step.
+bytes per parameter, grouped launches per step, and the first call's seconds (trace,
+compile and run: how the Triton compile grows with the leaves of one launch).
 
   python3 benchmarks/grouped_tiling.py [rows,...] [warps,...] [tree,...] [pointers,...]
 
@@ -12,6 +13,7 @@ Buffers per launch beyond 384 (8-byte pointers in a 4 KB parameter space) need C
 
 import functools
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -37,7 +39,11 @@ def main():
     n = sum(int(jnp.prod(jnp.array(s))) for s in shapes.values())
     grads = make_tree(shapes, 1)
     for pointers, rows, warps in [(a, b, c) for a in POINTERS for b in ROWS for c in WARPS]:
-      dispatch.plan_grouped_calls = functools.partial(plan_grouped_calls, max_pointers=pointers)
+      # Launches of `pointers` buffers (the planner also closes a launch there once it has
+      # SPLIT_BLOCKS blocks).
+      plan = functools.partial(plan_grouped_calls, max_pointers=pointers,
+                               split_pointers=pointers)
+      dispatch.plan_grouped_calls = plan
       tiling = optirs_jax.Tiling(block_rows=rows, num_warps=warps, flat=True)
       tx = optirs_jax.adam(1e-3, executor_options=optirs_jax.ExecutorOptions(
           grouped_tiling=tiling))
@@ -48,10 +54,12 @@ def main():
         params = make_tree(shapes, 0)
         state = tx.init(params)
         # Adam's fused apply reads g, p, mu, nu and writes p, mu, nu: 7 buffers a leaf.
-        launches = len(plan_grouped_calls(
-            [int(jnp.prod(jnp.array(v))) for v in shapes.values()],
-            block_elems=tiling.block_elems, operands_per_leaf=7, max_pointers=pointers))
+        launches = len(plan([int(jnp.prod(jnp.array(v))) for v in shapes.values()],
+                            block_elems=tiling.block_elems, operands_per_leaf=7))
+        start = time.perf_counter()
         state = step(params, state)
+        jax.block_until_ready(state)
+        first = time.perf_counter() - start
         t, state = kernel_seconds_per_step(lambda st, step=step: step(*st), state, 10)
       except Exception as e:  # a variant the toolchain rejects is a result
         print(f"{label}: failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
@@ -59,7 +67,7 @@ def main():
       finally:
         dispatch.plan_grouped_calls = plan_grouped_calls
       print(f"{label}: {t * 1e3:7.3f} ms  {28 * n / t / 1e9 / bw:6.1%} of copy, "
-            f"{launches} launches", flush=True)
+            f"{launches} launches, first call {first:5.1f} s", flush=True)
       del state
 
 

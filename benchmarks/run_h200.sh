@@ -6,7 +6,8 @@
 # (benchmarks/occupancy_vs_driver.py), tiling (benchmarks/tiling_variants.py), census
 # (benchmarks/hlo_census.py $CENSUS_ARGS), unpack (benchmarks/unpack_variants.py), policy
 # (benchmarks/policy_variants.sh), sharded (benchmarks/sharded_overhead.py), grouped
-# (benchmarks/grouped_tiling.py $GROUPED_ARGS), breakdown (benchmarks/kernel_breakdown.py
+# (benchmarks/grouped_tiling.py $GROUPED_ARGS), finite (benchmarks/finite_tiling.py
+# $FINITE_ARGS), breakdown (benchmarks/kernel_breakdown.py
 # for each "tree:optimizer" of $BREAKDOWN), tests (the
 # whole suite with the GPU visible, WORKERS pytest-xdist workers), bench (python -m
 # optirs_jax.bench $BENCH_ARGS).
@@ -49,6 +50,10 @@ fi
 if has grouped; then
   timeout ${GROUPED_TIMEOUT:-200} python3 benchmarks/grouped_tiling.py ${GROUPED_ARGS:-} 2>&1 \
     | tee -a "$OUT/grouped.txt"
+fi
+if has finite; then
+  timeout ${FINITE_TIMEOUT:-150} python3 benchmarks/finite_tiling.py ${FINITE_ARGS:-} 2>&1 \
+    | grep -v "^WARNING\|^I0000\|^E0000" | tee -a "$OUT/finite.txt"
 fi
 if has breakdown; then
   for case in ${BREAKDOWN:-gpt2:lamb gpt2:adamw_bf16_master}; do

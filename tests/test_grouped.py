@@ -16,7 +16,6 @@ import pytest
 
 import optirs_jax
 from optirs_jax.pallas.grouped import SEGMENT_ROWS, segment_totals
-from optirs_jax.pallas.op import LANES
 from optirs_jax.planning.layout import MAX_POINTERS_PER_CALL, GroupedCall, plan_grouped_calls
 from tests import cases
 from tests.test_lowering import TRITON, abstract_target, cuda_triton_calls
@@ -33,25 +32,29 @@ def test_plan_splits_at_the_pointer_budget_and_skips_empty_leaves():
   assert first.num_blocks == len(first.block_owner())
 
 
-def test_segment_totals_add_each_leafs_blocks():
-  # Leaves of 1 block, of more blocks than one program adds (three programs, the last
-  # one partial), and a few blocks; lane 0 of each row holds a block's sum, the other
-  # lanes must be ignored.
-  counts = [1, 2 * SEGMENT_ROWS + 37, 5, 1]
-  starts = tuple(int(s) for s in np.cumsum([0] + counts))
-  call = GroupedCall(tuple(range(4)), tuple(c * 1024 for c in counts), starts, 1024)
+def test_segment_totals_add_each_leafs_blocks_of_every_launch():
+  # Two launches' block sums in one segment launch: leaves of 1 block, of more blocks than
+  # one program adds (three programs, the last one partial), a few blocks; the second
+  # launch's leaves come after the first's.
+  plans = [[1, 2 * SEGMENT_ROWS + 37, 5, 1], [3, 1, SEGMENT_ROWS]]
+  calls = []
+  for counts in plans:
+    starts = tuple(int(s) for s in np.cumsum([0] + counts))
+    calls.append(GroupedCall(tuple(range(len(counts))), tuple(c * 1024 for c in counts),
+                             starts, 1024))
   rng = np.random.default_rng(1)
-  sums = [rng.random(starts[-1]).astype(np.float32) for _ in range(2)]
-  partials = []
-  for s in sums:
-    rows = rng.random((starts[-1], 1, LANES)).astype(np.float32) * 1e6  # noise in lanes 1..
-    rows[:, 0, 0] = s
-    partials.append(jnp.asarray(rows))
-  totals = jax.jit(lambda ps: segment_totals(ps, call, platform="interpret"))(partials)
-  for s, t in zip(sums, totals):
-    want = [np.sum(s[a:b], dtype=np.float64) for a, b in itertools.pairwise(starts)]
+  sums = [[rng.random(c.num_blocks).astype(np.float32) for _ in range(2)] for c in calls]
+  totals = jax.jit(lambda ps: segment_totals(ps, calls, platform="interpret"))(
+      [[jnp.asarray(x) for x in per_call] for per_call in sums])
+  assert len(totals) == 2
+  for src, t in enumerate(totals):
+    want = [np.sum(s[src][a:b], dtype=np.float64)
+            for c, s in zip(calls, sums) for a, b in itertools.pairwise(c.starts)]
+    assert t.shape == (7,)
     np.testing.assert_allclose(np.asarray(t), want, rtol=1e-6)
-  assert segment_totals([], call, platform="interpret") == []
+  assert segment_totals([[], []], calls, platform="interpret") == []
+  with pytest.raises(ValueError, match="need 2 partial sums for each of 2 launches"):
+    segment_totals([sums[0], sums[1][:1]], calls, platform="interpret")
 
 
 def test_lamb_holds_no_reduction_or_scatter_on_the_gpu():
@@ -67,9 +70,9 @@ def test_lamb_holds_no_reduction_or_scatter_on_the_gpu():
         platforms=["cuda"],
         disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON)])(*shapes)
   text = exp.mlir_module()
-  # 60 leaves x 7 buffers is two first-pass launches and two of totals; the second pass
-  # reads and writes 3 buffers a leaf: one launch.
-  assert text.count(TRITON) == 5
+  # 60 leaves x 7 buffers is two first-pass launches, then one launch of totals for both;
+  # the second pass reads and writes 3 buffers a leaf: one launch.
+  assert text.count(TRITON) == 4
   assert "stablehlo.reduce" not in text and "stablehlo.scatter" not in text
 
 
@@ -77,6 +80,21 @@ def test_plan_splits_at_the_grid_bound():
   calls = plan_grouped_calls([300] * 5, block_elems=128, operands_per_leaf=2, max_blocks=7)
   assert [c.leaves for c in calls] == [(0, 1), (2, 3), (4,)]
   assert all(c.num_blocks <= 7 for c in calls)
+
+
+def test_plan_closes_a_launch_with_enough_buffers_and_work():
+  # 7 buffers a leaf: a launch closes after 16 leaves (112 buffers) once those hold 8192
+  # blocks; leaves of few blocks fill the 384-buffer budget (54 leaves) instead.
+  big = plan_grouped_calls([1024 * 1024] * 40, block_elems=1024, operands_per_leaf=7)
+  assert [len(c.leaves) for c in big] == [16, 16, 8]
+  small = plan_grouped_calls([16 * 1024] * 60, block_elems=1024, operands_per_leaf=7)
+  assert [len(c.leaves) for c in small] == [54, 6]
+  # Work enough only from the 20th leaf on: the launch closes there.
+  mixed = plan_grouped_calls([1024] * 19 + [8192 * 1024] * 3, block_elems=1024,
+                             operands_per_leaf=7)
+  assert [len(c.leaves) for c in mixed] == [20, 2]
+  assert len(plan_grouped_calls([1024 * 1024] * 40, block_elems=1024, operands_per_leaf=7,
+                                split_pointers=384)) == 1
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -188,9 +206,9 @@ def test_per_leaf_scalars_of_the_wrong_shape_are_an_error():
 
 def test_repeated_launches_are_traced_and_compiled_once():
   # 200 equal leaves: LAMB's first pass is 4 launches (54 leaves of 7 buffers each), its
-  # totals 4, its second pass 2 (128 leaves of 3 buffers); equal plans share one jitted
+  # totals one, its second pass 2 (128 leaves of 3 buffers); equal plans share one jitted
   # launch, so the module holds one Triton program per distinct plan (a full call and the
-  # last, shorter one, of each kind): 6, not 10.
+  # last, shorter one, of each pass, and the totals): 5, not 7.
   params = {f"w{i:03d}": jax.ShapeDtypeStruct((4096,), jnp.float32) for i in range(200)}
   opt = optirs_jax.lamb(1e-3)
   shapes = (params, jax.eval_shape(opt.init, params), params)
@@ -199,4 +217,4 @@ def test_repeated_launches_are_traced_and_compiled_once():
         jax.jit(lambda p, s, g: optirs_jax.apply(opt, g, s, p), donate_argnums=(0, 1)),
         platforms=["cuda"],
         disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON)])(*shapes)
-  assert exp.mlir_module().count(TRITON) == 6
+  assert exp.mlir_module().count(TRITON) == 5

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from optirs_jax.dtypes import widened
 from optirs_jax.pallas.dispatch import execute
 from optirs_jax.pallas.op import ElementwiseOp
+from optirs_jax.pallas.options import ExecutorOptions, Tiling
 
 
 def _no_outputs(h, g, *, compute_dtype=None):
@@ -36,12 +37,20 @@ def _zero_if_finite(h, x):
 FINITE = ElementwiseOp(_no_outputs, ("inv_scale",), (0.0,), norm_inputs=(0,),
                        name="all_finite", source=_zero_if_finite)
 
+# The check only reads: blocks of 8K elements (16 KB of bfloat16) per grouped program. On an
+# H200 over GPT-2's bfloat16 gradients (benchmarks/finite_tiling.py, 4 warps): 0.111 ms with
+# the optimizers' 1K-element blocks, 0.078 with 2K, 0.068 with 4K, 0.066 with 8K (88.5% of
+# the copy bandwidth).
+FINITE_OPTIONS = ExecutorOptions(grouped_tiling=Tiling(block_rows=64, num_warps=4, flat=True))
+
 
 def unscaled_all_finite(leaves: Sequence[jax.Array], inv_scale=None, *,
-                        backend: str = "auto") -> jax.Array:
+                        backend: str = "auto",
+                        executor_options: ExecutorOptions = FINITE_OPTIONS) -> jax.Array:
   """Whether every element of ``leaves * inv_scale`` is finite (the product in float32 or
   wider: what :meth:`DynamicLossScale.unscale` gives), as a boolean scalar; True for no
-  inexact leaves. ``inv_scale=None`` checks the leaves themselves.
+  inexact leaves. ``inv_scale=None`` checks the leaves themselves; ``executor_options``
+  sets the kernels' geometry (by default ``FINITE_OPTIONS``).
 
   >>> import jax.numpy as jnp
   >>> bool(unscaled_all_finite([jnp.ones(3), jnp.array([1.0, jnp.inf])]))
@@ -53,5 +62,6 @@ def unscaled_all_finite(leaves: Sequence[jax.Array], inv_scale=None, *,
   if not xs:
     return jnp.array(True)
   h = {"inv_scale": 1.0 if inv_scale is None else jnp.asarray(inv_scale, jnp.float32)}
-  _, norms = execute(FINITE, h, [(x,) for x in xs], backend=backend, fused_apply=True)
+  _, norms = execute(FINITE, h, [(x,) for x in xs], backend=backend, fused_apply=True,
+                     options=executor_options)
   return jnp.all(jnp.stack([jnp.isfinite(n[0]) for n in norms]))

@@ -160,8 +160,10 @@ def _local_kernels(op: ElementwiseOp, platform: str, options: ExecutorOptions, h
   if g_idx := [i for i, r in enumerate(routes) if r == "group"]:
     tiling = options.grouped_tiling
     n_ops = len(leaves[g_idx[0]]) + len(out_dtypes[g_idx[0]])
-    for call in plan_grouped_calls([leaves[i][0].size for i in g_idx],
-                                   block_elems=tiling.block_elems, operands_per_leaf=n_ops):
+    calls = plan_grouped_calls([leaves[i][0].size for i in g_idx],
+                               block_elems=tiling.block_elems, operands_per_leaf=n_ops)
+    call_partials = []
+    for call in calls:
       members = [g_idx[k] for k in call.leaves]
       aliases = [op.in_place(tuple(x.dtype for x in leaves[i]), out_dtypes[i]) for i in members]
       h_call = hvec
@@ -172,10 +174,11 @@ def _local_kernels(op: ElementwiseOp, platform: str, options: ExecutorOptions, h
                                        platform=platform, tiling=tiling, aliases=aliases)
       for i, res in zip(members, results):
         outs[i] = tuple(y.reshape(leaves[i][0].shape) for y in res)
-      if partials:  # per-leaf totals in one launch
-        totals = segment_totals(partials, call, platform=platform)
-        for j, i in enumerate(members):
-          sums[i] = tuple(t[j] for t in totals)
+      call_partials.append(partials)
+    # Every grouped leaf's totals in one more launch, in the calls' order.
+    totals = segment_totals(call_partials, calls, platform=platform)
+    for j, i in enumerate(g_idx[k] for call in calls for k in call.leaves):
+      sums[i] = tuple(t[j] for t in totals)
 
   if p_idx := [i for i, r in enumerate(routes) if r == "packed"]:
     tiling = options.tiling(platform)

@@ -28,15 +28,14 @@ from collections.abc import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from optirs_jax.pallas.kernel import compiler_params
 from optirs_jax.pallas.op import (
-  LANES,
   ElementwiseOp,
   block_math,
-  partial_sum_of_squares,
   read_hyper,
 )
 from optirs_jax.pallas.options import Tiling
@@ -79,7 +78,8 @@ def _body(h_ref, *refs, op: ElementwiseOp, call: GroupedCall, n_in: int, n_out: 
     for r, y in zip(outs, results):
       pltriton.store(r.at[idx], y, mask=mask)
     for r, x in zip(norm_refs, sources):
-      r[...] = partial_sum_of_squares(jnp.where(mask, x, 0.0))
+      x = jnp.where(mask, x, 0.0)
+      r[...] = jnp.sum(x * x)[None]  # the block's sum of squares, 4 bytes
 
   for_owner(pid, call.starts, leaf)
 
@@ -102,16 +102,13 @@ def grouped_call(op: ElementwiseOp, hvec: jax.Array, leaves: Sequence[Sequence[j
 
   Returns:
     ``(outs, partials)``: per leaf a tuple of flat outputs, and per norm source an
-    ``f32[call.num_blocks, 1, LANES]`` whose lane 0 holds each block's sum of squares
-    (:func:`segment_totals` adds them up per leaf).
+    ``f32[call.num_blocks]`` of each block's sum of squares (:func:`segment_totals` adds
+    them up per leaf).
   """
   if call.block_elems != tiling.block_elems:
     raise ValueError(f"{call.block_elems=} does not match the tiling's {tiling.block_elems}")
   operands = [x.reshape(-1) for leaf in leaves for x in leaf]
-  # The launch depends on the leaves' sizes, not on which leaves of the tree they are: a
-  # tree whose leaves repeat (the blocks of a transformer) traces each distinct launch once.
-  call = dataclasses.replace(call, leaves=tuple(range(len(call.leaves))))
-  launch = _launch(op, tuple(tuple(d) for d in out_dtypes), call, tiling, platform,
+  launch = _launch(op, tuple(tuple(d) for d in out_dtypes), _by_sizes(call), tiling, platform,
                    tuple(tuple(sorted(a.items())) for a in aliases))
   results = launch(hvec, *operands)
   n_norms = len(op.norm_inputs) + len(op.norm_outputs)
@@ -120,6 +117,13 @@ def grouped_call(op: ElementwiseOp, hvec: jax.Array, leaves: Sequence[Sequence[j
   outs = [tuple(data[k * n_out:(k + 1) * n_out]) for k in range(len(call.leaves))]
   partials = list(results[len(results) - n_norms:])
   return outs, partials
+
+
+def _by_sizes(call: GroupedCall) -> GroupedCall:
+  """``call`` with its leaves numbered 0, 1, ...: a launch depends on the leaves' sizes, not
+  on which leaves of the tree they are, so a tree whose leaves repeat (the blocks of a
+  transformer) traces each distinct launch once."""
+  return dataclasses.replace(call, leaves=tuple(range(len(call.sizes))))
 
 
 @functools.lru_cache(maxsize=256)
@@ -133,7 +137,7 @@ def _launch(op, out_dtypes, call, tiling, platform, aliases):
     hvec, *operands = vary_alike([hvec, *operands])  # inside shard_map: vary as inputs do
     out_shape = [out_struct(operands[k * n_in], (size,), dt)
                  for k, (size, dts) in enumerate(zip(call.sizes, out_dtypes)) for dt in dts]
-    out_shape += [out_struct(operands[0], (call.num_blocks, 1, LANES), jnp.float32)] * n_norms
+    out_shape += [out_struct(operands[0], (call.num_blocks,), jnp.float32)] * n_norms
     whole = pl.BlockSpec()
     io_aliases = {1 + k * n_in + i: k * n_out + o
                   for k, alias in enumerate(aliases) for i, o in alias}
@@ -143,7 +147,7 @@ def _launch(op, out_dtypes, call, tiling, platform, aliases):
         grid=(call.num_blocks,),
         in_specs=[pl.BlockSpec(hvec.shape, lambda i: (0,))] + [whole] * len(operands),
         out_specs=tuple([whole] * (len(out_shape) - n_norms)
-                        + [pl.BlockSpec((None, 1, LANES), lambda i: (i, 0, 0))] * n_norms),
+                        + [pl.BlockSpec((1,), lambda i: (i,))] * n_norms),
         input_output_aliases=io_aliases,
         interpret=platform == "interpret",
         compiler_params=compiler_params(platform, tiling),
@@ -153,71 +157,80 @@ def _launch(op, out_dtypes, call, tiling, platform, aliases):
   return jax.jit(launch)
 
 
-# Block sums one program of segment_totals adds: a leaf of B blocks takes ceil(B / 1024)
-# programs, so the largest leaf is spread over the device (one program per leaf took
-# 0.2 ms on GPT-2's embedding of 37.7K blocks).
-SEGMENT_ROWS = 1024
+# Block sums one program of segment_totals adds (64 KB, contiguous): a leaf of B blocks
+# takes ceil(B / 4096) programs, so the largest leaf is spread over the device (one program
+# per leaf took 0.2 ms on GPT-2's embedding of 37.7K blocks).
+SEGMENT_ROWS = 4096
 
 
-def _segment_body(*refs, call: GroupedCall, n_src: int):
-  src_refs, out_refs = refs[:n_src], refs[n_src:]
+def _segment_body(bounds_ref, *refs, calls: Sequence[GroupedCall], n_src: int):
+  src_refs, out_refs = refs[:len(calls) * n_src], refs[len(calls) * n_src:]
   leaf, part = pl.program_id(0), pl.program_id(1)
-  lane = jax.lax.broadcasted_iota(jnp.int32, (1, LANES), 1)
+  # The leaf's blocks in its launch's partial sums: rows bounds[leaf] to bounds[leaf + n] - 1.
+  n = sum(len(c.sizes) for c in calls)
+  first = bounds_ref[leaf] + part * SEGMENT_ROWS
+  rows = first + jnp.arange(SEGMENT_ROWS)
+  mask = rows < bounds_ref[leaf + n]
 
-  def add(k):
-    rows = call.starts[k] + part * SEGMENT_ROWS + jnp.arange(SEGMENT_ROWS)
-    mask = rows < call.starts[k + 1]
-    for src, out in zip(src_refs, out_refs):
-      total = jnp.sum(pltriton.load(src.at[rows * LANES], mask=mask, other=0.0))
-      out[...] = jnp.where(lane == 0, total, 0.0)
+  def add(c):
+    for src, out in zip(src_refs[c * n_src:(c + 1) * n_src], out_refs):
+      out[...] = jnp.sum(pltriton.load(src.at[rows], mask=mask, other=0.0))[None]
 
-  for_owner(leaf, tuple(range(len(call.sizes) + 1)), add)
+  # Only the branch that picks the launch's buffers depends on the leaf: the code does not
+  # grow with the number of leaves.
+  offsets = tuple(itertools.accumulate((len(c.sizes) for c in calls), initial=0))
+  for_owner(leaf, offsets, add)
 
 
-def segment_totals(partials: Sequence[jax.Array], call: GroupedCall, *, platform: str
-                   ) -> list[jax.Array]:
-  """Per leaf of ``call``, the total of its blocks' partial sums.
+def segment_totals(partials: Sequence[Sequence[jax.Array]], calls: Sequence[GroupedCall], *,
+                   platform: str) -> list[jax.Array]:
+  """Per leaf of ``calls``, the total of its blocks' partial sums, in one launch.
 
   Args:
-    partials: per norm source, the grouped launch's ``f32[call.num_blocks, 1, LANES]``
-      (each block's sum in lane 0).
-    call: the grouped launch that wrote them (leaf ``k`` owns blocks ``starts[k]`` to
-      ``starts[k + 1] - 1``).
+    partials: per grouped launch, per norm source, its ``f32[call.num_blocks]`` of block
+      sums.
+    calls: the grouped launches that wrote them (leaf ``k`` of a launch owns blocks
+      ``starts[k]`` to ``starts[k + 1] - 1``).
     platform: ``"cuda"`` or ``"interpret"``.
 
   Returns:
-    Per norm source an ``f32[len(call.sizes)]``. One launch: program ``(k, j)`` adds the
-    ``j``-th run of ``SEGMENT_ROWS`` block sums of leaf ``k`` (zero past its end), then
-    one small reduction adds each leaf's runs. Every sum is in a fixed order, so the
+    Per norm source an ``f32[leaves]``, the leaves of ``calls[0]`` first. Program ``(k, j)``
+    adds the ``j``-th run of ``SEGMENT_ROWS`` block sums of leaf ``k`` (zero past its end;
+    each leaf's bounds are read from a small table, so one program serves every leaf),
+    then one small reduction adds each leaf's runs. Every sum is in a fixed order, so the
     totals do not depend on the order programs run in; the step holds no scatter.
   """
-  if not partials:
+  n_src = len(partials[0]) if partials else 0
+  if not n_src:
     return []
-  call = dataclasses.replace(call, leaves=tuple(range(len(call.sizes))))
-  return list(_segment_launch(call, len(partials), platform)(*partials))
+  if len(partials) != len(calls) or any(len(p) != n_src for p in partials):
+    raise ValueError(f"need {n_src} partial sums for each of {len(calls)} launches, got "
+                     f"{[len(p) for p in partials]}")
+  launch = _segment_launch(tuple(_by_sizes(c) for c in calls), n_src, platform)
+  return list(launch(*(x for p in partials for x in p)))
 
 
 @functools.lru_cache(maxsize=256)
-def _segment_launch(call: GroupedCall, n_src: int, platform: str):
-  """One jitted launch per distinct plan (the repeated calls of a many-leaf tree share it)."""
-  n = len(call.sizes)
-  runs = max(-(-(b - a) // SEGMENT_ROWS) for a, b in itertools.pairwise(call.starts))
+def _segment_launch(calls: tuple[GroupedCall, ...], n_src: int, platform: str):
+  """One jitted launch per distinct plan (the repeated steps of a tree share it)."""
+  n = sum(len(c.sizes) for c in calls)
+  runs = max(-(-(b - a) // SEGMENT_ROWS) for c in calls for a, b in itertools.pairwise(c.starts))
+  bounds = np.array([c.starts[k] for c in calls for k in range(len(c.sizes))]
+                    + [c.starts[k + 1] for c in calls for k in range(len(c.sizes))], np.int32)
 
   def launch(*partials):
-    flat = vary_alike([p.reshape(-1) for p in partials])  # lane 0 of row b: element b * LANES
-    out_shape = tuple(out_struct(flat[0], (n * runs, 1, LANES), jnp.float32) for _ in flat)
+    table, *partials = vary_alike([jnp.asarray(bounds), *partials])
+    out_shape = tuple(out_struct(partials[0], (n * runs,), jnp.float32) for _ in range(n_src))
     totals = pl.pallas_call(
-        functools.partial(_segment_body, call=call, n_src=n_src),
+        functools.partial(_segment_body, calls=calls, n_src=n_src),
         out_shape=out_shape,
         grid=(n, runs),
-        in_specs=[pl.BlockSpec()] * n_src,
-        out_specs=tuple(pl.BlockSpec((None, 1, LANES), lambda k, j: (k * runs + j, 0, 0))
-                        for _ in flat),
+        in_specs=[pl.BlockSpec()] * (1 + len(partials)),
+        out_specs=tuple(pl.BlockSpec((1,), lambda k, j: (k * runs + j,)) for _ in out_shape),
         interpret=platform == "interpret",
         compiler_params=compiler_params(platform, Tiling(1, num_warps=4)),
         name="segment_totals",
-    )(*flat)
-    return tuple(t[:, 0, 0] if runs == 1 else jnp.sum(t[:, 0, 0].reshape(n, runs), axis=1)
-                 for t in totals)
+    )(table, *partials)
+    return tuple(t if runs == 1 else jnp.sum(t.reshape(n, runs), axis=1) for t in totals)
 
   return jax.jit(launch)
