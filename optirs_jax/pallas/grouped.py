@@ -68,7 +68,7 @@ def _body(h_ref, *refs, op: ElementwiseOp, call: GroupedCall, n_in: int, n_out: 
 
   def leaf(k):
     h = read_hyper(h_ref, op.hyper, op.leaf_hyper, k)
-    idx = (pid - call.starts[k]) * block + jnp.arange(block)
+    idx = (pid - call.starts[k]) * block + jnp.arange(block, dtype=jnp.int32)
     mask = idx < call.sizes[k]
     ins = [pltriton.load(r.at[idx], mask=mask, other=jnp.asarray(pad, r.dtype))
            for r, pad in zip(in_refs[k * n_in:(k + 1) * n_in], op.pads)]
@@ -169,7 +169,7 @@ def _segment_body(bounds_ref, *refs, calls: Sequence[GroupedCall], n_src: int):
   # The leaf's blocks in its launch's partial sums: rows bounds[leaf] to bounds[leaf + n] - 1.
   n = sum(len(c.sizes) for c in calls)
   first = bounds_ref[leaf] + part * SEGMENT_ROWS
-  rows = first + jnp.arange(SEGMENT_ROWS)
+  rows = first + jnp.arange(SEGMENT_ROWS, dtype=jnp.int32)
   mask = rows < bounds_ref[leaf + n]
 
   def add(c):
