@@ -1,11 +1,14 @@
-"""The grouped kernel's geometry on many leaves: elements per block
-(``ExecutorOptions.grouped_tiling``) x Triton warps x buffers per launch, Adam's fused apply
-on 2000 leaves of 16K float32 parameters (the bench's ``leaves`` tree) and on GPT-2 small;
-kernel time from the profiler (optirs_jax.bench.timing), as % of the copy bandwidth for 28
-bytes per parameter, grouped launches per step, and the first call's seconds (trace,
+"""The grouped kernel's geometry: elements per block (``ExecutorOptions.grouped_tiling``) x
+Triton warps x buffers per launch, for the fused apply of bench cases (by default Adam) on
+2000 leaves of 16K parameters (the bench's ``leaves`` tree) and on GPT-2 small; kernel
+time from the profiler (optirs_jax.bench.timing), as % of the copy bandwidth at the case's
+minimal bytes, Adam's grouped launches per step, and the first call's seconds (trace,
 compile and run: how the Triton compile grows with the leaves of one launch).
 
-  python3 benchmarks/grouped_tiling.py [rows,...] [warps,...] [tree,...] [pointers,...]
+  python3 benchmarks/grouped_tiling.py [rows,...] [warps,...] [tree,...] [pointers,...] \
+      [case,...]
+
+``case``: names of ``optirs_jax.bench.cases.OPTIMIZERS`` (e.g. ``adamw_bf16_master``).
 
 Buffers per launch beyond 384 (8-byte pointers in a 4 KB parameter space) need CUDA's
 32 KB kernel parameters (CUDA 12.1, Volta or newer); a variant that fails prints why.
@@ -19,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 import optirs_jax
-from optirs_jax.bench.cases import make_tree, tree_shapes
+from optirs_jax.bench.cases import OPTIMIZERS, jax_step, make_tree, tree_shapes
 from optirs_jax.bench.timing import copy_bandwidth, kernel_seconds_per_step
 from optirs_jax.pallas import dispatch
 from optirs_jax.planning.layout import plan_grouped_calls
@@ -28,16 +31,20 @@ ROWS = [int(v) for v in (sys.argv[1] if len(sys.argv) > 1 else "8,16,32,64").spl
 WARPS = [int(v) for v in (sys.argv[2] if len(sys.argv) > 2 else "4,8").split(",")]
 TREES = (sys.argv[3] if len(sys.argv) > 3 else "leaves,gpt2").split(",")
 POINTERS = [int(v) for v in (sys.argv[4] if len(sys.argv) > 4 else "384").split(",")]
+NAMES = (sys.argv[5] if len(sys.argv) > 5 else "adam").split(",")
 
 
 def main():
   bw = copy_bandwidth(1 << 28, warmup=3, batches=1, steps=10) / 1e9
   print(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}; copy {bw:.0f} GB/s; "
-        "Adam fused apply, 28 bytes per parameter")
-  for tree in TREES:
+        "fused apply (optirs_jax.apply); % of copy at each case's minimal bytes")
+  for name, tree in [(a, b) for a in NAMES for b in TREES]:
+    opt = OPTIMIZERS[name]
     shapes = tree_shapes(tree, 1.0)
     n = sum(int(jnp.prod(jnp.array(s))) for s in shapes.values())
-    grads = make_tree(shapes, 1)
+    grads = make_tree(shapes, 1, opt.dtype)
+    if opt.scaled:  # the gradients of a scaled loss, as the bench makes them
+      grads = jax.tree.map(lambda g: g * jnp.asarray(2.0**15, g.dtype), grads)
     for pointers, rows, warps in [(a, b, c) for a in POINTERS for b in ROWS for c in WARPS]:
       # Launches of `pointers` buffers (the planner also closes a launch there once it has
       # SPLIT_BLOCKS blocks).
@@ -45,29 +52,35 @@ def main():
                                split_pointers=pointers)
       dispatch.plan_grouped_calls = plan
       tiling = optirs_jax.Tiling(block_rows=rows, num_warps=warps, flat=True)
-      tx = optirs_jax.adam(1e-3, executor_options=optirs_jax.ExecutorOptions(
-          grouped_tiling=tiling))
-      step = jax.jit(lambda p, s, tx=tx: optirs_jax.apply(tx, grads, s, p),
-                     donate_argnums=(0, 1))
-      label = f"{tree:8s} block {rows * 128:6d} warps {warps} pointers {pointers:5d}"
+      tx, fn = jax_step("optirs-apply", opt, optirs_jax.ExecutorOptions(grouped_tiling=tiling))
+      # The gradients are an argument, not a constant of the program (a closed-over tree
+      # would be compiled into it).
+      step = jax.jit(fn, donate_argnums=(0, 1))
+      label = (f"{name} {tree:8s} block {rows * 128:6d} warps {warps} "
+               f"pointers {pointers:5d}")
       try:
-        params = make_tree(shapes, 0)
+        params = make_tree(shapes, 0, opt.dtype)
         state = tx.init(params)
-        # Adam's fused apply reads g, p, mu, nu and writes p, mu, nu: 7 buffers a leaf.
+        # Adam's fused apply reads g, p, mu, nu and writes p, mu, nu: 7 buffers a leaf
+        # (the first pass's launches; other cases are not counted).
         launches = len(plan([int(jnp.prod(jnp.array(v))) for v in shapes.values()],
                             block_elems=tiling.block_elems, operands_per_leaf=7))
         start = time.perf_counter()
-        state = step(params, state)
+        state = step(params, state, grads)
         jax.block_until_ready(state)
         first = time.perf_counter() - start
-        t, state = kernel_seconds_per_step(lambda st, step=step: step(*st), state, 10)
+        t, state = kernel_seconds_per_step(lambda st, step=step: step(*st, grads), state, 10)
       except Exception as e:  # a variant the toolchain rejects is a result
         print(f"{label}: failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
         continue
       finally:
         dispatch.plan_grouped_calls = plan_grouped_calls
-      print(f"{label}: {t * 1e3:7.3f} ms  {28 * n / t / 1e9 / bw:6.1%} of copy, "
-            f"{launches} launches, first call {first:5.1f} s", flush=True)
+      count = f"{launches} launches, " if name == "adam" else ""
+      if t is None:
+        print(f"{label}: no device trace (CPU), {count}first call {first:5.1f} s", flush=True)
+        continue
+      print(f"{label}: {t * 1e3:7.3f} ms  {opt.bytes_per_param * n / t / 1e9 / bw:6.1%} of "
+            f"copy, {count}first call {first:5.1f} s", flush=True)
       del state
 
 
