@@ -10,8 +10,6 @@ import optax
 
 from optirs_jax.dtypes import widened
 from optirs_jax.mixed_precision._finite import unscaled_all_finite
-from optirs_jax.pallas.dispatch import lowering_targets
-from optirs_jax.pallas.sharding import varying_axes
 from optirs_jax.mixed_precision._loss_scale import (
   DynamicLossScale,
   LossScale,
@@ -20,6 +18,8 @@ from optirs_jax.mixed_precision._loss_scale import (
   all_finite,
   select_tree,
 )
+from optirs_jax.pallas.dispatch import lowering_targets
+from optirs_jax.pallas.sharding import varying_axes
 from optirs_jax.rounding import stochastic_round
 
 _SCALES = (DynamicLossScale, StaticLossScale, NoOpLossScale)
