@@ -141,8 +141,9 @@ def with_loss_scaling(inner: optax.GradientTransformation,
     finite = unscaled_all_finite(jax.tree.leaves(grads), inv)
     if _reference_only(grads, finite):
       # Only the jnp reference can run (XLA:CPU): skip the step with a conditional. The
-      # kernels' guard, a select on the tree-wide flag in every leaf's fusion, takes
-      # XLA:CPU 55 s to compile on GPT-2's 148 leaves; the conditional about 1 s.
+      # kernels' guard, a select on the tree-wide flag in every leaf's fusion, took
+      # XLA:CPU 54 s to compile on GPT-2's 148 leaves (1/1000 scale); with the
+      # conditional the step compiles in 2.5 s.
       new_params, new_inner = jax.lax.cond(
           finite,
           lambda: _keep_dtypes(fused(grads, state.inner_state, params, inv_scale=inv),

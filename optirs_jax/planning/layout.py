@@ -232,9 +232,9 @@ def plan_grouped_calls(sizes: Sequence[int], *, block_elems: int, operands_per_l
     if blocks > max_blocks:
       raise ValueError(f"leaf {leaf} of {size} elements needs {blocks} blocks of "
                        f"{block_elems}, more than {max_blocks=}")
-    full = len(leaves) == per_call or sum(counts) + blocks > max_blocks
-    enough = (len(leaves) * operands_per_leaf >= split_pointers
-              and sum(counts) >= split_blocks)
+    held = sum(counts)  # blocks of the open launch
+    full = len(leaves) == per_call or held + blocks > max_blocks
+    enough = len(leaves) * operands_per_leaf >= split_pointers and held >= split_blocks
     if full or enough:
       close()
     leaves.append(leaf), counts.append(blocks), sizes_in.append(size)
