@@ -7,7 +7,8 @@
 # (benchmarks/hlo_census.py $CENSUS_ARGS), unpack (benchmarks/unpack_variants.py), policy
 # (benchmarks/policy_variants.sh), sharded (benchmarks/sharded_overhead.py), grouped
 # (benchmarks/grouped_tiling.py $GROUPED_ARGS), finite (benchmarks/finite_tiling.py
-# $FINITE_ARGS), breakdown (benchmarks/kernel_breakdown.py
+# $FINITE_ARGS), mosaic (benchmarks/mosaic_tiling.py once per "|"-separated argument list
+# of $MOSAIC_RUNS), breakdown (benchmarks/kernel_breakdown.py
 # for each "tree:optimizer" of $BREAKDOWN), tests (the
 # whole suite with the GPU visible, WORKERS pytest-xdist workers), bench (python -m
 # optirs_jax.bench $BENCH_ARGS).
@@ -20,7 +21,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 fi
-export PYTHONPATH=.:${PYTHONPATH:-}
+export PYTHONPATH=$PWD:${PYTHONPATH:-}  # absolute: tests run scripts from temporary folders
 has() { [[ ",$STEPS," == *",$1,"* ]]; }
 if has env; then
   { date -u; nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
@@ -54,6 +55,13 @@ fi
 if has finite; then
   timeout ${FINITE_TIMEOUT:-150} python3 benchmarks/finite_tiling.py ${FINITE_ARGS:-} 2>&1 \
     | grep -v "^WARNING\|^I0000\|^E0000" | tee -a "$OUT/finite.txt"
+fi
+if has mosaic; then
+  IFS='|' read -ra mosaic_runs <<< "${MOSAIC_RUNS:-}"
+  for args in "${mosaic_runs[@]:-}"; do
+    timeout ${MOSAIC_TIMEOUT:-200} python3 benchmarks/mosaic_tiling.py $args 2>&1 \
+      | grep -v "^WARNING\|^I0000\|^E0000" | tee -a "$OUT/mosaic.txt"
+  done
 fi
 if has breakdown; then
   for case in ${BREAKDOWN:-gpt2:lamb gpt2:adamw_bf16_master}; do

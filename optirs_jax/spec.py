@@ -215,7 +215,8 @@ class BoundRule:
     elif self.apply:
       u = cast(p + u, extra[0].dtype, 0, param_seed)
     if self.guard:
-      finite = h.finite > 0
+      # Broadcast explicitly: Mosaic GPU selects only between arrays of one shape.
+      finite = jnp.broadcast_to(h.finite > 0, u.shape)
       keep = extra[-1] if (self.apply or self.master) else jnp.zeros_like(u)
       u = jnp.where(finite, u, keep)
       new_state = [jnp.where(finite, x, s) for x, s in zip(new_state, state)]

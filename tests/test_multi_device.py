@@ -11,10 +11,13 @@ HERE = pathlib.Path(__file__).resolve().parent
 
 
 def test_multi_device_cases_on_8_cpu_devices():
+  # Without the plugins the suite does not use: with pytest-xdist and pytest-benchmark
+  # installed (the GPU machine), the child stopped at startup with an INTERNALERROR.
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
              JAX_PLATFORMS="cpu")
   proc = subprocess.run(
-      [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
+      [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+       "-p", "no:benchmark", "-x",
        str(HERE / "multi_device_cases.py")],
       cwd=HERE.parent, env=env, capture_output=True, text=True, timeout=3000)
   tail = (proc.stdout + proc.stderr)[-6000:]

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optirs_jax.pallas import sharding
+from optirs_jax.pallas import mosaic_gpu, sharding
 from optirs_jax.pallas.grouped import grouped_call, segment_totals
 from optirs_jax.pallas.kernel import whole_leaf
 from optirs_jax.pallas.op import (
@@ -45,6 +45,8 @@ Leaf = tuple  # one leaf's arrays, in the rule's argument order
 
 KERNEL_DTYPES = {
     "cuda": frozenset({jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)}),
+    "mosaic_gpu": frozenset({jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16),
+                             jnp.dtype(jnp.float16)}),
     "tpu": frozenset({jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)}),
     "interpret": frozenset({jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16),
                             jnp.dtype(jnp.float16)}),
@@ -193,9 +195,19 @@ def _local_kernels(op: ElementwiseOp, platform: str, options: ExecutorOptions, h
   return outs, sums
 
 
+def kernel_platform(op: ElementwiseOp, platform: str, options: ExecutorOptions) -> str:
+  """The kernels that run ``op`` on ``platform``: ``"mosaic_gpu"`` on CUDA when the options
+  ask for it and it takes the op (no norms, indices or per-leaf scalars), else
+  ``platform`` itself (``"cuda"``: Triton)."""
+  if platform == "cuda" and options.gpu_kernels == "mosaic_gpu" and mosaic_gpu.supports(op):
+    return "mosaic_gpu"
+  return platform
+
+
 def _kernels(op: ElementwiseOp, h: Mapping, leaves: Sequence[Leaf], platform: str,
              options: ExecutorOptions, large_on_reference: bool = False,
              norm_axes: Sequence[str] = (), leaf_values: jax.Array | None = None):
+  platform = kernel_platform(op, platform, options)
   on_ref = [_on_reference(op, leaf, platform, options, large_on_reference) for leaf in leaves]
   outs: list = [None] * len(leaves)
   norms: list = [None] * len(leaves)

@@ -9,7 +9,9 @@ device inside the same pass. No output block is written by more than one grid st
 result does not depend on the order programs run in.
 
 Backends: Triton on GPU (explicit ``pltriton.CompilerParams``: without it jax 0.10.2 picks
-Mosaic GPU), Mosaic on TPU (hyper-parameters in SMEM), interpret mode anywhere else.
+Mosaic GPU), Mosaic GPU when asked (``platform="mosaic_gpu"``:
+:mod:`optirs_jax.pallas.mosaic_gpu`), Mosaic on TPU (hyper-parameters in SMEM), interpret
+mode anywhere else.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
+from optirs_jax.pallas import mosaic_gpu
 from optirs_jax.pallas.op import NHP, ElementwiseOp, block_math, partial_sum_of_squares, read_hyper
 from optirs_jax.pallas.options import Tiling
 from optirs_jax.pallas.sharding import out_struct, vary_alike
@@ -73,7 +76,7 @@ def elementwise_call(op: ElementwiseOp, hvec: jax.Array, inputs: Sequence[jax.Ar
     inputs: 2-D arrays; rows past the last whole block are computed by the same math in
       jnp and written in place.
     out_dtypes: dtype of each rule output.
-    platform: ``"cuda"``, ``"tpu"`` or ``"interpret"``.
+    platform: ``"cuda"`` (Triton), ``"mosaic_gpu"``, ``"tpu"`` or ``"interpret"``.
     tiling: the block geometry.
     aliases: ``{input position: output position}`` to update in place.
 
@@ -88,6 +91,8 @@ def elementwise_call(op: ElementwiseOp, hvec: jax.Array, inputs: Sequence[jax.Ar
     if x.shape != inputs[0].shape:
       raise ValueError(f"all inputs must share one shape; got {x.shape} and {inputs[0].shape}")
   kw = dict(platform=platform, tiling=tiling, aliases=aliases)
+  if platform == "mosaic_gpu":
+    return _mosaic_gpu(op, hvec, inputs, out_dtypes, tiling)
   if not tiling.flat:
     return _call(op, hvec, inputs, out_dtypes, (tiling.block_rows, lanes), **kw)
   # 1-D blocks of block_elems over the flattened buffers (free reshapes both ways).
@@ -134,6 +139,24 @@ def _call(op, hvec, inputs, out_dtypes, block_shape, *, platform, tiling, aliase
   data = [y.at[start:].set(t) for y, t in zip(results[:n_out], tail[:n_out])]
   partials = [jnp.concatenate([p, t]) for p, t in zip(results[n_out:], tail[n_out:])]
   return tuple(data + partials)
+
+
+def _mosaic_gpu(op, hvec, inputs, out_dtypes, tiling):
+  """The Mosaic GPU kernel over the blocks its thread blocks share equally; the rows past
+  them in jnp, written in place."""
+  rows, lanes = inputs[0].shape
+  row_bytes = lanes * (sum(x.dtype.itemsize for x in inputs)
+                       + sum(jnp.dtype(d).itemsize for d in out_dtypes))
+  geo = mosaic_gpu.geometry(rows, row_bytes, block_rows=tiling.block_rows,
+                            stages=tiling.num_stages, programs=tiling.programs)
+  covered = geo.covered_rows
+  if covered == 0:
+    return _tail(op, hvec, inputs, out_dtypes, 0)
+  results = mosaic_gpu.elementwise_call(op, hvec, inputs, out_dtypes, geo)
+  if covered == rows:
+    return results
+  tail = _tail(op, hvec, [x[covered:] for x in inputs], out_dtypes, covered * lanes)
+  return tuple(y.at[covered:].set(t) for y, t in zip(results, tail))
 
 
 def whole_leaf(op: ElementwiseOp, hvec: jax.Array, leaf: Sequence[jax.Array], out_dtypes,

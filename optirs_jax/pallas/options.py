@@ -8,7 +8,7 @@ leaving large leaves to XLA on the update path).
 
 >>> from optirs_jax import ExecutorOptions
 >>> ExecutorOptions(small_leaf_policy="pack").tiling("cuda")
-Tiling(block_rows=32, lanes=128, num_warps=4, num_stages=1, flat=False)
+Tiling(block_rows=32, lanes=128, num_warps=4, num_stages=1, flat=False, programs=None)
 >>> ExecutorOptions(small_leaf_policy="scatter")
 Traceback (most recent call last):
 ...
@@ -19,11 +19,18 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
+
 from optirs_jax.pallas.op import LANES
 
 SMALL_LEAF_POLICIES = ("group", "pack", "solo", "reference")
 LARGE_LEAF_POLICIES = ("group", "in-place")
-KERNEL_PLATFORMS = ("cuda", "tpu", "interpret")
+KERNEL_PLATFORMS = ("cuda", "mosaic_gpu", "tpu", "interpret")
+# Which Pallas lowering runs the GPU's kernels: Triton, or Mosaic GPU for the elementwise
+# ops it takes (no per-leaf norms or element indices; those stay on Triton).
+GPU_KERNELS = ("triton", "mosaic_gpu")
+# Mosaic GPU lowers sqrt (Adam, RMSprop) from jax 0.11 on.
+MOSAIC_GPU_MIN_JAX = (0, 11)
 # Platforms where the grouped kernel runs (masked 1-D loads). Mosaic TPU would move every
 # operand's block for every program, so the TPU packs the leaves instead.
 GROUPED_PLATFORMS = ("cuda", "interpret")
@@ -36,8 +43,11 @@ class Tiling:
   Attributes:
     block_rows: rows of ``lanes`` elements per block.
     lanes: elements per row (the TPU's lane count, 128).
-    num_warps, num_stages: Triton launch settings (ignored elsewhere).
+    num_warps, num_stages: Triton launch settings; on Mosaic GPU ``num_stages`` is the
+      number of blocks each thread block has in flight (ignored elsewhere).
     flat: 1-D blocks of ``block_elems`` over the flattened buffer instead of 2-D blocks.
+    programs: Mosaic GPU only: how many thread blocks share a buffer's blocks (each
+      streams an equal run of them); ``None``: one thread block per block.
   """
 
   block_rows: int
@@ -45,10 +55,13 @@ class Tiling:
   num_warps: int = 4
   num_stages: int = 1
   flat: bool = False
+  programs: int | None = None
 
   def __post_init__(self):
-    for name in ("block_rows", "lanes", "num_warps", "num_stages"):
+    for name in ("block_rows", "lanes", "num_warps", "num_stages", "programs"):
       value = getattr(self, name)
+      if name == "programs" and value is None:
+        continue
       if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"Tiling: {name}={value!r} must be a positive int")
 
@@ -81,6 +94,13 @@ class ExecutorOptions:
     interpret_tiling: the geometry in interpret mode; ``None`` takes ``cuda_tiling``, so
       tests on a CPU run the GPU's layout.
     grouped_tiling: the grouped kernel's geometry (1-D blocks).
+    gpu_kernels: the Pallas lowering of the GPU's kernels: ``"triton"``, or
+      ``"mosaic_gpu"`` (``jax.experimental.pallas.mosaic_gpu``) for ops without per-leaf
+      norms or element indices (Adam, AdamW, SGD, RMSprop, Adagrad, Lion); those leaves are
+      then packed or run in place (``mosaic_gpu_tiling``) instead of grouped, and the
+      outputs are new buffers (Mosaic GPU's ``plgpu.kernel`` takes no aliases).
+    mosaic_gpu_tiling: the Mosaic GPU kernel's geometry: ``block_rows`` (at most 256) x 128
+      blocks, ``num_stages`` blocks in flight per thread block, ``programs`` thread blocks.
     quantized_tiling: the 8-bit optimizers' kernel (:func:`~optirs_jax.adam8bit`):
       ``block_rows`` quantization blocks per program (its ``lanes`` is unused: a row is one
       quantization block), and the Triton launch settings (1 block, 2 warps: fastest of
@@ -96,6 +116,8 @@ class ExecutorOptions:
   interpret_tiling: Tiling | None = None
   grouped_tiling: Tiling = Tiling(block_rows=8, num_warps=4, flat=True)
   quantized_tiling: Tiling = Tiling(block_rows=1, num_warps=2)
+  gpu_kernels: str = "triton"
+  mosaic_gpu_tiling: Tiling = Tiling(block_rows=32, num_stages=2)
 
   def __post_init__(self):
     if self.small_leaf_policy not in SMALL_LEAF_POLICIES:
@@ -109,20 +131,30 @@ class ExecutorOptions:
       raise ValueError(f"solo_min_blocks={self.solo_min_blocks!r} must be a positive int")
     if not isinstance(self.updates_on_reference, bool):
       raise TypeError(f"updates_on_reference={self.updates_on_reference!r} must be a bool")
+    if self.gpu_kernels not in GPU_KERNELS:
+      raise ValueError(f"gpu_kernels={self.gpu_kernels!r} is not one of {GPU_KERNELS}")
+    if self.gpu_kernels == "mosaic_gpu" and jax.__version_info__ < MOSAIC_GPU_MIN_JAX:
+      raise ValueError(f"gpu_kernels='mosaic_gpu' needs jax >= "
+                       f"{'.'.join(map(str, MOSAIC_GPU_MIN_JAX))} (its Mosaic GPU lowering "
+                       f"lacks sqrt before); this is jax {jax.__version__}: use 'triton'")
     for name in ("cuda_tiling", "tpu_tiling", "interpret_tiling", "grouped_tiling",
-                 "quantized_tiling"):
+                 "quantized_tiling", "mosaic_gpu_tiling"):
       value = getattr(self, name)
       if not isinstance(value, Tiling) and not (name == "interpret_tiling" and value is None):
         raise TypeError(f"{name}={value!r} must be a Tiling")
     if not self.grouped_tiling.flat:
       raise ValueError(f"grouped_tiling={self.grouped_tiling} must have flat=True (the "
                        "grouped kernel reads 1-D blocks)")
+    if not 1 <= self.mosaic_gpu_tiling.block_rows <= 256 or self.mosaic_gpu_tiling.flat:
+      raise ValueError(f"mosaic_gpu_tiling={self.mosaic_gpu_tiling} must have 2-D blocks of "
+                       "at most 256 rows (Mosaic GPU's limit per block dimension)")
 
   def tiling(self, platform: str) -> Tiling:
     """The packed and in-place kernels' geometry on ``platform``."""
     if platform == "interpret":
       return self.interpret_tiling or self.cuda_tiling
-    return {"cuda": self.cuda_tiling, "tpu": self.tpu_tiling}[platform]
+    return {"cuda": self.cuda_tiling, "mosaic_gpu": self.mosaic_gpu_tiling,
+            "tpu": self.tpu_tiling}[platform]
 
   def groups(self, platform: str) -> bool:
     """Whether small leaves go through grouped launches on ``platform``."""
