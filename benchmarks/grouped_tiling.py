@@ -15,14 +15,21 @@ Buffers per launch beyond 384 (8-byte pointers in a 4 KB parameter space) need C
 """
 
 import functools
+import math
 import sys
 import time
 
 import jax
-import jax.numpy as jnp
 
 import optirs_jax
-from optirs_jax.bench.cases import OPTIMIZERS, jax_step, make_tree, tree_shapes
+from optirs_jax.bench.cases import (
+  OPTIMIZERS,
+  jax_step,
+  make_grads,
+  make_tree,
+  param_count,
+  tree_shapes,
+)
 from optirs_jax.bench.timing import copy_bandwidth, kernel_seconds_per_step
 from optirs_jax.pallas import dispatch
 from optirs_jax.planning.layout import plan_grouped_calls
@@ -41,10 +48,8 @@ def main():
   for name, tree in [(a, b) for a in NAMES for b in TREES]:
     opt = OPTIMIZERS[name]
     shapes = tree_shapes(tree, 1.0)
-    n = sum(int(jnp.prod(jnp.array(s))) for s in shapes.values())
-    grads = make_tree(shapes, 1, opt.dtype)
-    if opt.scaled:  # the gradients of a scaled loss, as the bench makes them
-      grads = jax.tree.map(lambda g: g * jnp.asarray(2.0**15, g.dtype), grads)
+    n = param_count(shapes)
+    grads = make_grads(shapes, opt)
     for pointers, rows, warps in [(a, b, c) for a in POINTERS for b in ROWS for c in WARPS]:
       # Launches of `pointers` buffers (the planner also closes a launch there once it has
       # SPLIT_BLOCKS blocks).
@@ -63,7 +68,7 @@ def main():
         state = tx.init(params)
         # Adam's fused apply reads g, p, mu, nu and writes p, mu, nu: 7 buffers a leaf
         # (the first pass's launches; other cases are not counted).
-        launches = len(plan([int(jnp.prod(jnp.array(v))) for v in shapes.values()],
+        launches = len(plan([math.prod(v) for v in shapes.values()],
                             block_elems=tiling.block_elems, operands_per_leaf=7))
         start = time.perf_counter()
         state = step(params, state, grads)

@@ -13,11 +13,16 @@ import sys
 import tempfile
 
 import jax
-import jax.numpy as jnp
 from jax.profiler import ProfileData
 
 from optirs_jax.bench import timing
-from optirs_jax.bench.cases import OPTIMIZERS, jax_step, make_tree, tree_shapes
+from optirs_jax.bench.cases import (
+  OPTIMIZERS,
+  jax_step,
+  make_grads,
+  make_tree,
+  tree_shapes,
+)
 
 
 def main(argv):
@@ -25,9 +30,7 @@ def main(argv):
   opt = OPTIMIZERS[name]
   shapes = tree_shapes(tree, 1.0)
   tx, step = jax_step(impl, opt)
-  grads = make_tree(shapes, 1, opt.dtype)
-  if opt.scaled:
-    grads = jax.tree.map(lambda g: g * jnp.asarray(2.0**15, g.dtype), grads)
+  grads = make_grads(shapes, opt)
   params = make_tree(shapes, 0, opt.dtype)
   fn = jax.jit(step, donate_argnums=(0, 1))
   state = (params, tx.init(params))

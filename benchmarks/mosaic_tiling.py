@@ -19,10 +19,16 @@ import sys
 import time
 
 import jax
-import jax.numpy as jnp
 
 import optirs_jax
-from optirs_jax.bench.cases import OPTIMIZERS, jax_step, make_tree, tree_shapes
+from optirs_jax.bench.cases import (
+  OPTIMIZERS,
+  jax_step,
+  make_grads,
+  make_tree,
+  param_count,
+  tree_shapes,
+)
 from optirs_jax.bench.timing import copy_bandwidth, kernel_seconds_per_step
 from optirs_jax.pallas import mosaic_gpu
 
@@ -65,10 +71,8 @@ def main():
   for name, tree in [(a, b) for a in NAMES for b in TREES]:
     opt = OPTIMIZERS[name]
     shapes = tree_shapes(tree, 1.0)
-    n = sum(int(jnp.prod(jnp.array(s))) for s in shapes.values())
-    grads = make_tree(shapes, 1, opt.dtype)
-    if opt.scaled:  # the gradients of a scaled loss, as the bench makes them
-      grads = jax.tree.map(lambda g: g * jnp.asarray(2.0**15, g.dtype), grads)
+    n = param_count(shapes)
+    grads = make_grads(shapes, opt)
     runs = [("optax", "optax", None), ("triton", "optirs-apply", None)]
     runs += [(f"mosaic {v}", "optirs-apply", v) for v in VARIANTS]
     triton = None

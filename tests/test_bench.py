@@ -111,3 +111,15 @@ def test_bad_arguments_are_argparse_errors_naming_the_value(argv, message, capsy
 def test_an_unknown_tree_names_the_valid_ones():
   with pytest.raises(ValueError, match="leaves-flat"):
     bench.tree_shapes("gpt3", 1.0)
+
+
+def test_case_gradients_are_the_tree_times_the_loss_scale_when_scaled():
+  from optirs_jax.bench import cases
+  shapes = {"a": (3, 5), "b": (7,)}
+  plain = cases.make_grads(shapes, cases.OPTIMIZERS["adam"])
+  scaled = cases.make_grads(shapes, cases.OPTIMIZERS["adamw_bf16_master"])
+  for name in shapes:
+    assert plain[name].dtype == jax.numpy.float32 and scaled[name].dtype == jax.numpy.bfloat16
+    ref = jax.numpy.asarray(cases.make_tree(shapes, 1)[name], jax.numpy.bfloat16)
+    assert (scaled[name] == ref * jax.numpy.asarray(2.0**15, jax.numpy.bfloat16)).all()
+  assert cases.param_count(shapes) == 22

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 
 import jax
@@ -51,6 +52,23 @@ def make_tree(shapes, seed: int, dtype=jnp.float32):
   key = jax.random.PRNGKey(seed)
   return {name: jax.random.normal(jax.random.fold_in(key, i), shape, jnp.float32).astype(dtype)
           for i, (name, shape) in enumerate(shapes.items())}
+
+
+def param_count(shapes) -> int:
+  """The number of parameters of a tree of shapes."""
+  return sum(math.prod(s) for s in shapes.values())
+
+
+def make_grads(shapes, opt: Opt):
+  """The gradients of one case: ``make_tree(shapes, 1)`` in the case's dtype, times the loss
+  scale 2**15 when the case's gradients are of a scaled loss."""
+  grads = make_tree(shapes, 1, opt.dtype)
+  if opt.scaled:
+    grads = jax.tree.map(lambda g: g * jnp.asarray(LOSS_SCALE, g.dtype), grads)
+  return grads
+
+
+LOSS_SCALE = 2.0**15  # the scaled cases' gradients: with_loss_scaling's initial scale
 
 
 @dataclasses.dataclass(frozen=True)

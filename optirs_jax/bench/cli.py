@@ -10,13 +10,20 @@ import platform
 import sys
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 import optax
 
 import optirs_jax
 from optirs_jax.bench import timing
-from optirs_jax.bench.cases import JAX_IMPLS, OPTIMIZERS, TREES, jax_step, make_tree, tree_shapes
+from optirs_jax.bench.cases import (
+  JAX_IMPLS,
+  OPTIMIZERS,
+  TREES,
+  jax_step,
+  make_grads,
+  make_tree,
+  param_count,
+  tree_shapes,
+)
 from optirs_jax.pallas.options import LARGE_LEAF_POLICIES, SMALL_LEAF_POLICIES, ExecutorOptions
 
 TORCH_IMPLS = ("torch-fused", "torch-foreach")
@@ -24,9 +31,7 @@ TORCH_IMPLS = ("torch-fused", "torch-foreach")
 
 def bench_jax(impl, opt, shapes, args):
   tx, step = jax_step(impl, opt, args.executor_options)
-  grads = make_tree(shapes, 1, opt.dtype)
-  if opt.scaled:
-    grads = jax.tree.map(lambda g: g * jnp.asarray(2.0**15, g.dtype), grads)
+  grads = make_grads(shapes, opt)
   params = make_tree(shapes, 0, opt.dtype)
   state = tx.init(params)
   abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
@@ -132,7 +137,7 @@ def run(args) -> dict:
            else bench_jax(impl, opt, shapes, args))
     except Exception as e:  # a failing implementation is reported, not fatal
       r = {"ms": None, "error": f"{type(e).__name__}: {str(e)[:300]}"}
-    n = sum(int(np.prod(s)) for s in shapes.values())
+    n = param_count(shapes)
     r |= {"tree": tree, "optimizer": name, "impl": impl, "params": n, "leaves": len(shapes),
           "bytes_per_param": opt.bytes_per_param}
     minimal = opt.bytes_per_param * n
