@@ -169,6 +169,14 @@ class BoundRule:
     stochastic rounding); otherwise they promote op by op, as in optax."""
     return self.master or self.indexed
 
+  def unguarded(self) -> BoundRule | None:
+    """This rule without its guard, where a skipped step keeps every input as it was (the
+    fused apply: the params, master copies and state); None otherwise (no guard, or the
+    update path, whose skipped update is zeros)."""
+    if self.guard and (self.apply or self.master):
+      return dataclasses.replace(self, guard=False)
+    return None
+
   @property
   def indexed(self) -> bool:
     """Whether the rule needs each element's index in its leaf (``index=``)."""

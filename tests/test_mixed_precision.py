@@ -2,6 +2,8 @@
 finite steps, bit-identical state on skipped ones, exact rounding of the master, and a
 float16 model that trains only with scaling."""
 
+import collections
+
 import chex
 import jax
 import jax.extend
@@ -326,3 +328,41 @@ def test_float16_model_trains_with_scaling_and_underflows_without():
   assert first(zeros_scaled) < 0.01 and last(zeros_scaled) < 0.1, zeros_scaled
   assert loss_scaled < 1e-3 * start and loss_scaled < 0.01 * loss_plain, (
       start, loss_plain, loss_scaled)
+
+
+def _kernel_memory_ops(jaxpr) -> collections.Counter:
+  """How many masked loads and stores the step's Pallas kernels trace, branches included."""
+  counts = collections.Counter()
+
+  def walk(jx, in_kernel):
+    for eqn in jx.eqns:
+      if in_kernel and eqn.primitive.name in ("masked_load", "masked_swap"):
+        counts[eqn.primitive.name] += 1
+      for value in eqn.params.values():
+        for sub in value if isinstance(value, (tuple, list)) else (value,):
+          sub = getattr(sub, "jaxpr", sub)
+          if hasattr(sub, "eqns"):
+            walk(sub, in_kernel or eqn.primitive.name == "pallas_call")
+
+  walk(jaxpr.jaxpr, False)
+  return counts
+
+
+def test_the_kernel_guard_of_a_master_step_reads_and_writes_what_the_plain_step_does(
+    standard_promotion):
+  # Where every output is in place, the kernel runs the step only when the flag is set (a
+  # skipped step leaves the buffers as they were): it reads no old bfloat16 params to keep
+  # and selects nothing, so the guarded step moves the bytes of the plain one.
+  tx = mp.master_weights(optirs_jax.adamw(1e-2, backend="pallas"))
+  params = cases.ragged_tree(0, jnp.bfloat16)
+  state = tx.init(params)
+  inv = jnp.float32(0.5)
+  guarded = jax.make_jaxpr(lambda g, s, p, f: tx.update.fused_apply(
+      g, s, p, inv_scale=inv, finite=f))(params, state, params, jnp.bool_(True))
+  plain = jax.make_jaxpr(lambda g, s, p: tx.update.fused_apply(g, s, p, inv_scale=inv))(
+      params, state, params)
+  counts = _kernel_memory_ops(guarded)
+  assert counts == _kernel_memory_ops(plain)
+  # g, mu, nu and the master read; the params, mu, nu and the master written, per leaf in
+  # each branch of the launches' leaf search.
+  assert counts["masked_load"] == counts["masked_swap"] > 0

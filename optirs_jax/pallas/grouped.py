@@ -58,7 +58,8 @@ def for_owner(pid, starts: Sequence[int], body, lo: int = 0, hi: int | None = No
   pl.when(jnp.logical_not(left))(lambda: for_owner(pid, starts, body, mid, hi))
 
 
-def _body(h_ref, *refs, op: ElementwiseOp, call: GroupedCall, n_in: int, n_out: int):
+def _body(h_ref, *refs, op: ElementwiseOp, call: GroupedCall, n_in: int, n_out: int,
+          skip: bool = False):
   leaves = len(call.sizes)
   in_refs = refs[:leaves * n_in]
   out_refs = refs[leaves * n_in:leaves * (n_in + n_out)]
@@ -66,14 +67,14 @@ def _body(h_ref, *refs, op: ElementwiseOp, call: GroupedCall, n_in: int, n_out: 
   block = call.block_elems
   pid = pl.program_id(0)
 
-  def leaf(k):
+  def leaf(k, run_op=op):
     h = read_hyper(h_ref, op.hyper, op.leaf_hyper, k)
     idx = (pid - call.starts[k]) * block + jnp.arange(block, dtype=jnp.int32)
     mask = idx < call.sizes[k]
     ins = [pltriton.load(r.at[idx], mask=mask, other=jnp.asarray(pad, r.dtype))
            for r, pad in zip(in_refs[k * n_in:(k + 1) * n_in], op.pads)]
     outs = out_refs[k * n_out:(k + 1) * n_out]
-    results, sources = block_math(op, h, ins, [r.dtype for r in outs],
+    results, sources = block_math(run_op, h, ins, [r.dtype for r in outs],
                                   idx.astype(jnp.uint32) if op.indexed else None)
     for r, y in zip(outs, results):
       pltriton.store(r.at[idx], y, mask=mask)
@@ -81,7 +82,13 @@ def _body(h_ref, *refs, op: ElementwiseOp, call: GroupedCall, n_in: int, n_out: 
       x = jnp.where(mask, x, 0.0)
       r[...] = jnp.sum(x * x)[None]  # the block's sum of squares, 4 bytes
 
-  for_owner(pid, call.starts, leaf)
+  if skip:  # a skipped step leaves every (in-place) buffer as it was: no loads, no stores
+    unguarded = dataclasses.replace(op, rule=op.unguarded)
+    finite = read_hyper(h_ref, op.hyper).finite > 0
+    pl.when(finite)(lambda: for_owner(pid, call.starts,
+                                      functools.partial(leaf, run_op=unguarded)))
+  else:
+    for_owner(pid, call.starts, leaf)
 
 
 def grouped_call(op: ElementwiseOp, hvec: jax.Array, leaves: Sequence[Sequence[jax.Array]],
@@ -141,8 +148,9 @@ def _launch(op, out_dtypes, call, tiling, platform, aliases):
     whole = pl.BlockSpec()
     io_aliases = {1 + k * n_in + i: k * n_out + o
                   for k, alias in enumerate(aliases) for i, o in alias}
+    skip = op.skips_in_place([dict(a) for a in aliases], n_out)
     return pl.pallas_call(
-        functools.partial(_body, op=op, call=call, n_in=n_in, n_out=n_out),
+        functools.partial(_body, op=op, call=call, n_in=n_in, n_out=n_out, skip=skip),
         out_shape=tuple(out_shape),
         grid=(call.num_blocks,),
         in_specs=[pl.BlockSpec(hvec.shape, lambda i: (0,))] + [whole] * len(operands),

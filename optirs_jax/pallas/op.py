@@ -61,6 +61,11 @@ class ElementwiseOp:
     source: ``source(h, x)``, applied to each norm source before its sum of squares (a
       module-level function; ``None``: the source itself). ``x * 0`` makes the "norm" a
       finiteness check: 0 where every element is finite, NaN elsewhere.
+    unguarded: for a rule that keeps every input where ``h.finite`` is 0 (a skipped step),
+      the same rule without that guard. A kernel whose outputs all take their inputs'
+      buffers may run it under ``h.finite > 0`` instead: on a skipped step it neither
+      reads nor writes, and on the others it reads nothing the guard alone needed (the old
+      low-precision params of a master-weights step) and selects nothing.
   """
 
   rule: Callable
@@ -74,10 +79,18 @@ class ElementwiseOp:
   mixed_on_kernels: bool = False
   leaf_hyper: tuple[str, ...] = ()
   source: Callable | None = None
+  unguarded: Callable | None = None
 
   @property
   def has_norms(self) -> bool:
     return bool(self.norm_inputs or self.norm_outputs)
+
+  def skips_in_place(self, aliases: Sequence[Mapping[int, int]], n_out: int) -> bool:
+    """Whether a kernel with these in-place ``{input: output}`` pairs per leaf runs
+    :attr:`unguarded` under ``h.finite > 0``: every output takes an input's buffer (an
+    untouched buffer keeps the input's value), and there are no norms to write."""
+    return (self.unguarded is not None and not self.has_norms
+            and all(set(a.values()) == set(range(n_out)) for a in aliases))
 
   def in_place(self, in_dtypes: Sequence, out_dtypes: Sequence) -> dict[int, int]:
     """``{input: output}`` of the aliases whose two dtypes agree."""

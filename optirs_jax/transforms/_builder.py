@@ -234,7 +234,8 @@ def _op(spec: OptimizerSpec, options, names, mode: _Mode, *, decay: bool):
       rule, hyper, pads, aliases,
       norm_inputs=tuple(inputs.index(x) for x in reduction.inputs) if reduction else (),
       norm_outputs=tuple(outputs.index(x) for x in reduction.outputs) if reduction else (),
-      name=spec.name, indexed=rule.indexed, mixed_on_kernels=rule.widens_mixed)
+      name=spec.name, indexed=rule.indexed, mixed_on_kernels=rule.widens_mixed,
+      unguarded=rule.unguarded())
   return op, with_p, with_low
 
 
@@ -266,7 +267,8 @@ def _finish_op(spec: OptimizerSpec, n_norms: int, *, fused: bool, master: bool, 
       ("count_lo", "count_hi", "pseed_lo", "pseed_hi") if param_rounding else ())
   return ElementwiseOp(rule, hyper, (0.0,) * (2 + master), aliases, name=f"{spec.name}_finish",
                        indexed=rule.indexed, mixed_on_kernels=rule.widens_mixed,
-                       leaf_hyper=tuple(f"norm_{k}" for k in range(n_norms)))
+                       leaf_hyper=tuple(f"norm_{k}" for k in range(n_norms)),
+                       unguarded=rule.unguarded())
 
 
 def _finish(spec: OptimizerSpec, h, first, weights, p, m, norms, uses_master, *, fused: bool,
