@@ -5,11 +5,13 @@ table of buffers, planned by :func:`optirs_jax.planning.layout.plan_grouped_call
 grid has one program per 1-D block of every leaf; program ``i`` finds the leaf that owns it
 by a binary search over the static block offsets (:func:`for_owner`: nested branches, only
 the owner's body runs), loads its block with a mask past the leaf's end, calls the op's rule
-and stores the results masked. Nothing is concatenated before the step or sliced after it,
-and leaves of any size or dtype share a launch, so a tree of many leaves costs a few
-launches and no copies; the state and, on the fused apply, the params are updated in place.
-Per-leaf norms: each program writes its block's sum of squares, and
-:func:`segment_totals` adds them per leaf in one more launch.
+and stores the results masked. Only the loads and stores are per leaf (they name its
+buffers): the rule is traced once per run of leaves of the same dtypes, so the kernel's code
+and its compile grow by a few memory operations per leaf. Nothing is concatenated before
+the step or sliced after it, and leaves of any size or dtype share a launch, so a tree of
+many leaves costs a few launches and no copies; the state and, on the fused apply, the
+params are updated in place. Per-leaf norms: each program writes its block's sum of
+squares, and :func:`segment_totals` adds them per leaf in one more launch.
 
 This is the Apex multi-tensor-apply design with the address table fixed at trace time: a
 ``pallas_call`` takes whole arrays, not a runtime table of pointers, so one launch serves
@@ -58,6 +60,32 @@ def for_owner(pid, starts: Sequence[int], body, lo: int = 0, hi: int | None = No
   pl.when(jnp.logical_not(left))(lambda: for_owner(pid, starts, body, mid, hi))
 
 
+def owner_value(pid, starts: Sequence[int], fn, lo: int, hi: int):
+  """``fn(k)`` for the leaf ``k`` (one of ``lo..hi - 1``) whose programs include ``pid``: the
+  binary search of :func:`for_owner` as conditionals with results (every leaf's ``fn``
+  gives values of the same types)."""
+  if hi - lo == 1:
+    return fn(lo)
+  mid = (lo + hi) // 2
+  return jax.lax.cond(pid < starts[mid], lambda: owner_value(pid, starts, fn, lo, mid),
+                      lambda: owner_value(pid, starts, fn, mid, hi))
+
+
+def dtype_runs(signatures: Sequence) -> list[tuple[int, int]]:
+  """The maximal runs ``(lo, hi)`` of consecutive equal ``signatures``.
+
+  >>> dtype_runs(["f32", "f32", "bf16", "f32"])
+  [(0, 2), (2, 3), (3, 4)]
+  """
+  runs: list[tuple[int, int]] = []
+  for k, sig in enumerate(signatures):
+    if runs and signatures[runs[-1][0]] == sig:
+      runs[-1] = (runs[-1][0], k + 1)
+    else:
+      runs.append((k, k + 1))
+  return runs
+
+
 def _body(h_ref, *refs, op: ElementwiseOp, call: GroupedCall, n_in: int, n_out: int,
           skip: bool = False):
   leaves = len(call.sizes)
@@ -66,29 +94,57 @@ def _body(h_ref, *refs, op: ElementwiseOp, call: GroupedCall, n_in: int, n_out: 
   norm_refs = refs[leaves * (n_in + n_out):]
   block = call.block_elems
   pid = pl.program_id(0)
+  ins_of = lambda k: in_refs[k * n_in:(k + 1) * n_in]
+  outs_of = lambda k: out_refs[k * n_out:(k + 1) * n_out]
+  run_op = dataclasses.replace(op, rule=op.unguarded) if skip else op
 
-  def leaf(k, run_op=op):
-    h = read_hyper(h_ref, op.hyper, op.leaf_hyper, k)
-    idx = (pid - call.starts[k]) * block + jnp.arange(block, dtype=jnp.int32)
-    mask = idx < call.sizes[k]
-    ins = [pltriton.load(r.at[idx], mask=mask, other=jnp.asarray(pad, r.dtype))
-           for r, pad in zip(in_refs[k * n_in:(k + 1) * n_in], op.pads)]
-    outs = out_refs[k * n_out:(k + 1) * n_out]
-    results, sources = block_math(run_op, h, ins, [r.dtype for r in outs],
+  def run(lo: int, hi: int):
+    """Leaves ``lo..hi - 1``, of one dtype signature: only the loads and stores are per
+    leaf (they name its buffers); the rule is traced once for all of them, so the kernel's
+    code grows by a few memory operations per leaf, not by the rule."""
+    def locate(k):
+      # The program's block in its leaf, the elements left from there, the leaf's own
+      # scalars (computed or read in the branch: a branch cannot yield a constant).
+      local = pid - call.starts[k]
+      leaf_h = read_hyper(h_ref, (), op.leaf_hyper, k)
+      return local, call.sizes[k] - local * block, *(leaf_h[n] for n in op.leaf_hyper)
+
+    local, left, *leaf_values = owner_value(pid, call.starts, locate, lo, hi)
+    lane = jnp.arange(block, dtype=jnp.int32)
+    idx = local * block + lane
+    mask = lane < left
+
+    def load(k):
+      return tuple(pltriton.load(r.at[idx], mask=mask, other=jnp.asarray(pad, r.dtype))
+                   for r, pad in zip(ins_of(k), op.pads))
+
+    ins = owner_value(pid, call.starts, load, lo, hi) if hi - lo > 1 else load(lo)
+    h = read_hyper(h_ref, op.hyper)
+    h.update(zip(op.leaf_hyper, leaf_values))
+    results, sources = block_math(run_op, h, ins, [r.dtype for r in outs_of(lo)],
                                   idx.astype(jnp.uint32) if op.indexed else None)
-    for r, y in zip(outs, results):
-      pltriton.store(r.at[idx], y, mask=mask)
+
+    def store(k):
+      for r, y in zip(outs_of(k), results):
+        pltriton.store(r.at[idx], y, mask=mask)
+
+    for_owner(pid, call.starts, store, lo, hi)
     for r, x in zip(norm_refs, sources):
       x = jnp.where(mask, x, 0.0)
       r[...] = jnp.sum(x * x)[None]  # the block's sum of squares, 4 bytes
 
+  signatures = [tuple(jnp.dtype(r.dtype) for r in (*ins_of(k), *outs_of(k)))
+                for k in range(leaves)]
+  runs = dtype_runs(signatures)
+  bounds = [call.starts[lo] for lo, _ in runs] + [call.starts[-1]]
+
+  def body():
+    for_owner(pid, bounds, lambda r: run(*runs[r]))
+
   if skip:  # a skipped step leaves every (in-place) buffer as it was: no loads, no stores
-    unguarded = dataclasses.replace(op, rule=op.unguarded)
-    finite = read_hyper(h_ref, op.hyper).finite > 0
-    pl.when(finite)(lambda: for_owner(pid, call.starts,
-                                      functools.partial(leaf, run_op=unguarded)))
+    pl.when(read_hyper(h_ref, op.hyper).finite > 0)(body)
   else:
-    for_owner(pid, call.starts, leaf)
+    body()
 
 
 def grouped_call(op: ElementwiseOp, hvec: jax.Array, leaves: Sequence[Sequence[jax.Array]],
