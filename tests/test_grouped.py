@@ -7,6 +7,7 @@ stores the Triton kernel uses). Here: its planner, mixed dtypes in one launch, a
 export (launch counts and in-place aliasing).
 """
 
+import collections
 import itertools
 
 import jax
@@ -218,3 +219,34 @@ def test_repeated_launches_are_traced_and_compiled_once():
         platforms=["cuda"],
         disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON)])(*shapes)
   assert exp.mlir_module().count(TRITON) == 5
+
+
+def _kernel_primitives(closed) -> collections.Counter:
+  """Primitive names inside the Pallas kernels of a jaxpr, branches included."""
+  counts = collections.Counter()
+
+  def walk(jx, in_kernel):
+    for eqn in jx.eqns:
+      counts[eqn.primitive.name] += in_kernel
+      for value in eqn.params.values():
+        for sub in value if isinstance(value, (tuple, list)) else (value,):
+          sub = getattr(sub, "jaxpr", sub)
+          if hasattr(sub, "eqns"):
+            walk(sub, in_kernel or eqn.primitive.name == "pallas_call")
+
+  walk(closed.jaxpr, False)
+  return counts
+
+
+@pytest.mark.parametrize("dtypes", [("float32",), ("float32", "bfloat16")])
+def test_a_launch_traces_the_rule_once_per_run_of_same_dtype_leaves(dtypes):
+  # Only the loads and stores name a leaf's buffers; the rule (Adam's one square root per
+  # element) is traced once for each run of leaves of the same dtypes in a launch.
+  tx = optirs_jax.adam(1e-3, backend="pallas")
+  params = {f"w{i:02d}": jnp.ones((100 + i,), dtypes[i * len(dtypes) // 12]) for i in range(12)}
+  state = tx.init(params)
+  closed = jax.make_jaxpr(lambda g, s, p: optirs_jax.apply(tx, g, s, p))(params, state, params)
+  counts = _kernel_primitives(closed)
+  assert counts["sqrt"] == len(dtypes)
+  assert counts["masked_load"] == 4 * len(params)  # g, mu, nu and p of every leaf
+  assert counts["masked_swap"] == 3 * len(params)  # p, mu and nu written in place
