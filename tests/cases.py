@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -110,3 +112,25 @@ def trajectory(opt, params, steps: int):
 def rel_err(a, b) -> float:
   a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
   return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def kernel_primitives(closed) -> list[collections.Counter]:
+  """Per Pallas kernel of a jaxpr (on a GPU ``backend="pallas"`` traces the Triton branch
+  and the interpret-mode default), the names of its primitives, branches included."""
+  kernels = []
+
+  def walk(jx, counts):
+    for eqn in jx.eqns:
+      inner = counts
+      if eqn.primitive.name == "pallas_call":
+        kernels.append(inner := collections.Counter())
+      elif counts is not None:
+        counts[eqn.primitive.name] += 1
+      for value in eqn.params.values():
+        for sub in value if isinstance(value, (tuple, list)) else (value,):
+          sub = getattr(sub, "jaxpr", sub)
+          if hasattr(sub, "eqns"):
+            walk(sub, inner)
+
+  walk(closed.jaxpr, None)
+  return kernels

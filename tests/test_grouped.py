@@ -7,7 +7,6 @@ stores the Triton kernel uses). Here: its planner, mixed dtypes in one launch, a
 export (launch counts and in-place aliasing).
 """
 
-import collections
 import itertools
 
 import jax
@@ -221,28 +220,6 @@ def test_repeated_launches_are_traced_and_compiled_once():
   assert exp.mlir_module().count(TRITON) == 5
 
 
-def _kernel_primitives(closed) -> list[collections.Counter]:
-  """Per Pallas kernel of a jaxpr (on a GPU ``backend="pallas"`` traces the Triton branch
-  and the interpret-mode default), the names of its primitives, branches included."""
-  kernels = []
-
-  def walk(jx, counts):
-    for eqn in jx.eqns:
-      inner = counts
-      if eqn.primitive.name == "pallas_call":
-        kernels.append(inner := collections.Counter())
-      elif counts is not None:
-        counts[eqn.primitive.name] += 1
-      for value in eqn.params.values():
-        for sub in value if isinstance(value, (tuple, list)) else (value,):
-          sub = getattr(sub, "jaxpr", sub)
-          if hasattr(sub, "eqns"):
-            walk(sub, inner)
-
-  walk(closed.jaxpr, None)
-  return kernels
-
-
 @pytest.mark.parametrize("dtypes", [("float32",), ("float32", "bfloat16")])
 def test_a_launch_traces_the_rule_once_per_run_of_same_dtype_leaves(dtypes):
   # Only the loads and stores name a leaf's buffers; the rule (Adam's one square root per
@@ -251,7 +228,7 @@ def test_a_launch_traces_the_rule_once_per_run_of_same_dtype_leaves(dtypes):
   params = {f"w{i:02d}": jnp.ones((100 + i,), dtypes[i * len(dtypes) // 12]) for i in range(12)}
   state = tx.init(params)
   closed = jax.make_jaxpr(lambda g, s, p: optirs_jax.apply(tx, g, s, p))(params, state, params)
-  kernels = _kernel_primitives(closed)
+  kernels = cases.kernel_primitives(closed)
   assert kernels
   for counts in kernels:
     assert counts["sqrt"] == len(dtypes)

@@ -2,8 +2,6 @@
 finite steps, bit-identical state on skipped ones, exact rounding of the master, and a
 float16 model that trains only with scaling."""
 
-import collections
-
 import chex
 import jax
 import jax.extend
@@ -330,24 +328,6 @@ def test_float16_model_trains_with_scaling_and_underflows_without():
       start, loss_plain, loss_scaled)
 
 
-def _kernel_memory_ops(jaxpr) -> collections.Counter:
-  """How many masked loads and stores the step's Pallas kernels trace, branches included."""
-  counts = collections.Counter()
-
-  def walk(jx, in_kernel):
-    for eqn in jx.eqns:
-      if in_kernel and eqn.primitive.name in ("masked_load", "masked_swap"):
-        counts[eqn.primitive.name] += 1
-      for value in eqn.params.values():
-        for sub in value if isinstance(value, (tuple, list)) else (value,):
-          sub = getattr(sub, "jaxpr", sub)
-          if hasattr(sub, "eqns"):
-            walk(sub, in_kernel or eqn.primitive.name == "pallas_call")
-
-  walk(jaxpr.jaxpr, False)
-  return counts
-
-
 def test_the_kernel_guard_of_a_master_step_reads_and_writes_what_the_plain_step_does(
     standard_promotion):
   # Where every output is in place, the kernel runs the step only when the flag is set (a
@@ -361,8 +341,9 @@ def test_the_kernel_guard_of_a_master_step_reads_and_writes_what_the_plain_step_
       g, s, p, inv_scale=inv, finite=f))(params, state, params, jnp.bool_(True))
   plain = jax.make_jaxpr(lambda g, s, p: tx.update.fused_apply(g, s, p, inv_scale=inv))(
       params, state, params)
-  counts = _kernel_memory_ops(guarded)
-  assert counts == _kernel_memory_ops(plain)
-  # g, mu, nu and the master read; the params, mu, nu and the master written, per leaf in
-  # each branch of the launches' leaf search.
-  assert counts["masked_load"] == counts["masked_swap"] > 0
+  memory = lambda closed: [(c["masked_load"], c["masked_swap"])
+                           for c in cases.kernel_primitives(closed)]
+  counts = memory(guarded)
+  assert counts == memory(plain)
+  # g, mu, nu and the master read; the params, mu, nu and the master written, per leaf.
+  assert counts and all(loads == stores > 0 for loads, stores in counts)
