@@ -54,6 +54,9 @@ def make_tree(shapes, seed: int, dtype=jnp.float32):
           for i, (name, shape) in enumerate(shapes.items())}
 
 
+LOSS_SCALE = 2.0**15  # the scaled cases' gradients: with_loss_scaling's initial scale
+
+
 def param_count(shapes) -> int:
   """The number of parameters of a tree of shapes."""
   return sum(math.prod(s) for s in shapes.values())
@@ -66,9 +69,6 @@ def make_grads(shapes, opt: Opt):
   if opt.scaled:
     grads = jax.tree.map(lambda g: g * jnp.asarray(LOSS_SCALE, g.dtype), grads)
   return grads
-
-
-LOSS_SCALE = 2.0**15  # the scaled cases' gradients: with_loss_scaling's initial scale
 
 
 @dataclasses.dataclass(frozen=True)

@@ -43,13 +43,12 @@ from optirs_jax.planning.layout import MAX_GROUPED_LEAF_ELEMENTS, plan_grouped_c
 
 Leaf = tuple  # one leaf's arrays, in the rule's argument order
 
+_FLOATS = frozenset({jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)})
 KERNEL_DTYPES = {
-    "cuda": frozenset({jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)}),
-    "mosaic_gpu": frozenset({jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16),
-                             jnp.dtype(jnp.float16)}),
-    "tpu": frozenset({jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)}),
-    "interpret": frozenset({jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16),
-                            jnp.dtype(jnp.float16)}),
+    "cuda": _FLOATS,
+    "mosaic_gpu": _FLOATS,
+    "tpu": _FLOATS - {jnp.dtype(jnp.float16)},
+    "interpret": _FLOATS,
 }
 # Pallas, for every platform it runs on: a dtype outside this set is an error on backend="pallas".
 PALLAS_DTYPES = KERNEL_DTYPES["cuda"]

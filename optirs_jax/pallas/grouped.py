@@ -118,7 +118,7 @@ def _body(h_ref, *refs, op: ElementwiseOp, call: GroupedCall, n_in: int, n_out: 
       return tuple(pltriton.load(r.at[idx], mask=mask, other=jnp.asarray(pad, r.dtype))
                    for r, pad in zip(ins_of(k), op.pads))
 
-    ins = owner_value(pid, call.starts, load, lo, hi) if hi - lo > 1 else load(lo)
+    ins = owner_value(pid, call.starts, load, lo, hi)
     h = read_hyper(h_ref, op.hyper)
     h.update(zip(op.leaf_hyper, leaf_values))
     results, sources = block_math(run_op, h, ins, [r.dtype for r in outs_of(lo)],

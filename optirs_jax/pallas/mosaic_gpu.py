@@ -22,9 +22,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from optirs_jax.pallas.op import ElementwiseOp, block_math, read_hyper
+from optirs_jax.pallas.options import MOSAIC_GPU_MAX_BLOCK_ROWS
 
 CUSTOM_CALL_TARGET = "mosaic_gpu_v2"
-MAX_BLOCK_ROWS = 256  # Mosaic GPU: at most 256 elements per block dimension
+MAX_BLOCK_ROWS = MOSAIC_GPU_MAX_BLOCK_ROWS
 # Shared memory a thread block may allocate on an H100/H200 (227 KB; Mosaic GPU refuses a
 # kernel past it at lowering).
 SMEM_BYTES = 232448

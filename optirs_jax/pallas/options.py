@@ -29,6 +29,7 @@ KERNEL_PLATFORMS = ("cuda", "mosaic_gpu", "tpu", "interpret")
 # Which Pallas lowering runs the GPU's kernels: Triton, or Mosaic GPU for the elementwise
 # ops it takes (no per-leaf norms or element indices; those stay on Triton).
 GPU_KERNELS = ("triton", "mosaic_gpu")
+MOSAIC_GPU_MAX_BLOCK_ROWS = 256  # Mosaic GPU: at most 256 elements per block dimension
 # Mosaic GPU lowers sqrt (Adam, RMSprop) from jax 0.11 on.
 MOSAIC_GPU_MIN_JAX = (0, 11)
 # Platforms where the grouped kernel runs (masked 1-D loads). Mosaic TPU would move every
@@ -145,9 +146,11 @@ class ExecutorOptions:
     if not self.grouped_tiling.flat:
       raise ValueError(f"grouped_tiling={self.grouped_tiling} must have flat=True (the "
                        "grouped kernel reads 1-D blocks)")
-    if not 1 <= self.mosaic_gpu_tiling.block_rows <= 256 or self.mosaic_gpu_tiling.flat:
+    rows = self.mosaic_gpu_tiling.block_rows
+    if not 1 <= rows <= MOSAIC_GPU_MAX_BLOCK_ROWS or self.mosaic_gpu_tiling.flat:
       raise ValueError(f"mosaic_gpu_tiling={self.mosaic_gpu_tiling} must have 2-D blocks of "
-                       "at most 256 rows (Mosaic GPU's limit per block dimension)")
+                       f"at most {MOSAIC_GPU_MAX_BLOCK_ROWS} rows (Mosaic GPU's limit per "
+                       "block dimension)")
 
   def tiling(self, platform: str) -> Tiling:
     """The packed and in-place kernels' geometry on ``platform``."""
