@@ -25,6 +25,7 @@ Zero-size leaves take no space and are left out of every group.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Hashable, Sequence
 
 import numpy as np
@@ -184,10 +185,40 @@ class GroupedCall:
     return np.repeat(np.arange(len(self.leaves), dtype=np.int32), np.diff(self.starts))
 
 
+def repeating_stretch(sizes: Sequence[int], min_repeats: int = 2) -> tuple[int, int, int] | None:
+  """The longest run of ``sizes`` that repeats a period: ``(a, b, period)`` where
+  ``sizes[i] == sizes[i + period]`` for ``a <= i < b - period`` and ``b - a`` is a multiple
+  of ``period`` of at least ``min_repeats`` periods (the smallest period among the longest
+  runs), or None. The blocks of a transformer repeat this way.
+
+  >>> repeating_stretch([9, 1, 2, 3, 1, 2, 3, 1, 2, 3, 7])
+  (1, 10, 3)
+  >>> repeating_stretch([1, 2, 3]) is None
+  True
+  """
+  x = np.asarray(sizes)
+  best = None
+  for period in range(1, len(x) // min_repeats + 1):
+    if best is not None and best[1] - best[0] == len(x):
+      break  # the whole sequence repeats: no longer run
+    same = np.concatenate([[False], x[:-period] == x[period:], [False]])
+    edges = np.flatnonzero(np.diff(same.astype(np.int8)))
+    if not len(edges):
+      continue
+    lengths = edges[1::2] - edges[::2]
+    k = int(np.argmax(lengths))
+    repeats = (int(lengths[k]) + period) // period
+    if repeats >= min_repeats and (best is None or repeats * period > best[1] - best[0]):
+      a = int(edges[2 * k])
+      best = (a, a + repeats * period, period)
+  return best
+
+
 def plan_grouped_calls(sizes: Sequence[int], *, block_elems: int, operands_per_leaf: int,
                        max_pointers: int = MAX_POINTERS_PER_CALL,
                        max_blocks: int = 2**31 - 1, split_pointers: int = SPLIT_POINTERS,
-                       split_blocks: int = SPLIT_BLOCKS) -> tuple[GroupedCall, ...]:
+                       split_blocks: int = SPLIT_BLOCKS,
+                       repeat: bool = True) -> tuple[GroupedCall, ...]:
   """Splits leaves, in order, into grouped kernel launches.
 
   A launch takes each leaf's operands as separate buffers, so it is bounded by the kernel's
@@ -197,46 +228,85 @@ def plan_grouped_calls(sizes: Sequence[int], *, block_elems: int, operands_per_l
   would mostly add compile time). Zero-size leaves are left out; a leaf of more than
   ``MAX_GROUPED_LEAF_ELEMENTS`` elements is an error (its indices would overflow).
 
+  With ``repeat``, a run of leaves whose sizes repeat a period (:func:`repeating_stretch`:
+  the layers of a model) is cut at the same places in every period, so its launches are
+  equal and the step traces and compiles each distinct one once: whole periods per launch
+  where one fits, else every period split alike. The leaves before and after the run are
+  planned the same way, apart from it.
+
   >>> [c.leaves for c in plan_grouped_calls([10, 0, 300, 5], block_elems=128,
   ...                                        operands_per_leaf=100, max_pointers=200)]
   [(0, 2), (3,)]
   >>> plan_grouped_calls([300], block_elems=128, operands_per_leaf=7)[0].starts
   (0, 3)
+  >>> import functools
+  >>> plan = functools.partial(plan_grouped_calls, [5] + [300, 100] * 4, block_elems=128,
+  ...                            operands_per_leaf=7, max_pointers=28)  # 4 leaves a launch
+  >>> [c.sizes for c in plan()]
+  [(5,), (300, 100, 300, 100), (300, 100, 300, 100)]
+  >>> [c.sizes for c in plan(repeat=False)]
+  [(5, 300, 100, 300), (100, 300, 100, 300), (100,)]
   """
   if block_elems <= 0:
     raise ValueError(f"{block_elems=} must be positive")
   if operands_per_leaf <= 0 or operands_per_leaf > max_pointers:
     raise ValueError(f"{operands_per_leaf=} must be between 1 and {max_pointers=}")
   per_call = max_pointers // operands_per_leaf
-  calls: list[GroupedCall] = []
-  leaves: list[int] = []
-  counts: list[int] = []
-  sizes_in: list[int] = []
-
-  def close():
-    if leaves:
-      starts = tuple(int(s) for s in np.cumsum([0] + counts))
-      calls.append(GroupedCall(tuple(leaves), tuple(sizes_in), starts, block_elems))
-      leaves.clear(), counts.clear(), sizes_in.clear()
-
+  blocks: dict[int, int] = {}
   for leaf, size in enumerate(sizes):
     size = int(size)
     if size < 0:
       raise ValueError(f"leaf {leaf} has negative size {size}")
-    if size == 0:
-      continue
     if size > MAX_GROUPED_LEAF_ELEMENTS:
       raise ValueError(f"leaf {leaf} has {size} elements, more than a grouped kernel's 32-bit "
                        f"indices reach ({MAX_GROUPED_LEAF_ELEMENTS=})")
-    blocks = -(-size // block_elems)
-    if blocks > max_blocks:
-      raise ValueError(f"leaf {leaf} of {size} elements needs {blocks} blocks of "
-                       f"{block_elems}, more than {max_blocks=}")
-    held = sum(counts)  # blocks of the open launch
-    full = len(leaves) == per_call or held + blocks > max_blocks
-    enough = len(leaves) * operands_per_leaf >= split_pointers and held >= split_blocks
-    if full or enough:
-      close()
-    leaves.append(leaf), counts.append(blocks), sizes_in.append(size)
-  close()
+    if size and -(-size // block_elems) > max_blocks:
+      raise ValueError(f"leaf {leaf} of {size} elements needs {-(-size // block_elems)} "
+                       f"blocks of {block_elems}, more than {max_blocks=}")
+    if size:
+      blocks[leaf] = -(-size // block_elems)
+
+  def greedy(units: Sequence[Sequence[int]]) -> list[list[int]]:
+    """Units of leaves, in order, into launches, closing one before a unit that does not
+    fit or once it has enough work."""
+    launches: list[list[int]] = []
+    open_: list[int] = []
+    held = 0
+    for unit in units:
+      more = sum(blocks[i] for i in unit)
+      full = len(open_) + len(unit) > per_call or held + more > max_blocks
+      enough = len(open_) * operands_per_leaf >= split_pointers and held >= split_blocks
+      if open_ and (full or enough):
+        launches.append(open_)
+        open_, held = [], 0
+      open_ = open_ + list(unit)
+      held += more
+    return launches + [open_] if open_ else launches
+
+  def split(seq: list[int]) -> list[list[int]]:
+    stretch = repeating_stretch([int(sizes[i]) for i in seq]) if repeat and seq else None
+    if stretch is not None:
+      a, b, period = stretch
+      periods = [seq[k:k + period] for k in range(a, b, period)]
+      pieces = greedy([[i] for i in periods[0]])
+      if len(pieces) == 1:  # a period fits a launch: whole periods per launch, as many
+        # in each as the fewest launches need (the greedy's count, spread evenly)
+        per = -(-len(periods) // len(greedy(periods)))
+        launches = [list(itertools.chain(*periods[k:k + per]))
+                    for k in range(0, len(periods), per)]
+        repeated = len(periods) >= 2 * per
+      else:  # every period cut where the first one is
+        cuts = np.cumsum([0] + [len(p) for p in pieces])
+        launches = [p[lo:hi] for p in periods for lo, hi in itertools.pairwise(cuts)]
+        repeated = True
+      if len(launches) > 1 and repeated:
+        return split(seq[:a]) + launches + split(seq[b:])
+    return greedy([[i] for i in seq])
+
+  calls = []
+  for leaves in split(list(blocks)):
+    counts = [blocks[i] for i in leaves]
+    starts = tuple(int(s) for s in np.cumsum([0] + counts))
+    calls.append(GroupedCall(tuple(leaves), tuple(int(sizes[i]) for i in leaves), starts,
+                             block_elems))
   return tuple(calls)
