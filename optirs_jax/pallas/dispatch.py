@@ -76,14 +76,30 @@ def _leaf_hyper(op: ElementwiseOp, h: Mapping, values, i: int) -> Hyper:
   return Hyper(h, **{name: values[i, k] for k, name in enumerate(op.leaf_hyper)})
 
 
+def _is_constant(value) -> bool:
+  """Whether a hyper-parameter is a Python or NumPy scalar (a constant of the program)."""
+  return isinstance(value, (bool, int, float, complex, np.generic))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _rule_on_leaf(op: ElementwiseOp, constants: tuple, arrays: Mapping, leaf: Leaf):
+  """The rule on one leaf, as a jitted call: leaves of the same shapes and dtypes share
+  one trace, and each further leaf costs the step one call instead of the rule's
+  operations (2000 leaves traced 2000 rules). The scalars of ``h`` that are Python or
+  NumPy numbers stay constants (static), so XLA sees optax's exact expressions."""
+  h = Hyper(dict(constants), **arrays)
+  index = jnp.arange(leaf[0].size, dtype=jnp.uint32).reshape(leaf[0].shape)
+  return tuple(call_rule(op, h, leaf, index if op.indexed else None))
+
+
 def reference(op: ElementwiseOp, h: Mapping, leaves: Sequence[Leaf],
               norm_axes: Sequence[str] = (), leaf_values: jax.Array | None = None):
   """The jnp reference: the rule on each leaf, norms by ``jnp.linalg.norm`` (or, over
   ``norm_axes`` inside a ``shard_map``, by a ``psum`` of local sums of squares)."""
   hs = [_leaf_hyper(op, h, leaf_values, i) for i in range(len(leaves))]
-  index = lambda x: jnp.arange(x.size, dtype=jnp.uint32).reshape(x.shape)
-  outs = [tuple(call_rule(op, hi, leaf, index(leaf[0]) if op.indexed else None))
-          for hi, leaf in zip(hs, leaves)]
+  constants = tuple(sorted((k, v) for k, v in h.items() if _is_constant(v)))
+  outs = [_rule_on_leaf(op, constants, {k: v for k, v in hi.items() if not _is_constant(v)},
+                        leaf) for hi, leaf in zip(hs, leaves)]
   if not op.has_norms:
     return outs, None
   norms = []
