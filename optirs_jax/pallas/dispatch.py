@@ -81,15 +81,19 @@ def _is_constant(value) -> bool:
   return isinstance(value, (bool, int, float, complex, np.generic))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1))
 def _rule_on_leaf(op: ElementwiseOp, constants: tuple, arrays: Mapping, leaf: Leaf):
-  """The rule on one leaf, as a jitted call: leaves of the same shapes and dtypes share
-  one trace, and each further leaf costs the step one call instead of the rule's
-  operations (2000 leaves traced 2000 rules). The scalars of ``h`` that are Python or
-  NumPy numbers stay constants (static), so XLA sees optax's exact expressions."""
+  """The rule on one leaf, with ``h`` given as its constant scalars (Python or NumPy
+  numbers, as ``(name, value)`` pairs) and its arrays."""
   h = Hyper(dict(constants), **arrays)
   index = jnp.arange(leaf[0].size, dtype=jnp.uint32).reshape(leaf[0].shape)
   return tuple(call_rule(op, h, leaf, index if op.indexed else None))
+
+
+# The rule on one leaf as a jitted call: leaves of the same shapes and dtypes share one
+# trace, and each further leaf costs a traced step one call, which XLA inlines, instead of
+# the rule's operations (2000 leaves traced 2000 rules). The constants are static, so XLA
+# still sees optax's exact expressions.
+_jitted_rule_on_leaf = jax.jit(_rule_on_leaf, static_argnums=(0, 1))
 
 
 def reference(op: ElementwiseOp, h: Mapping, leaves: Sequence[Leaf],
@@ -98,8 +102,12 @@ def reference(op: ElementwiseOp, h: Mapping, leaves: Sequence[Leaf],
   ``norm_axes`` inside a ``shard_map``, by a ``psum`` of local sums of squares)."""
   hs = [_leaf_hyper(op, h, leaf_values, i) for i in range(len(leaves))]
   constants = tuple(sorted((k, v) for k, v in h.items() if _is_constant(v)))
-  outs = [_rule_on_leaf(op, constants, {k: v for k, v in hi.items() if not _is_constant(v)},
-                        leaf) for hi, leaf in zip(hs, leaves)]
+  # Traced (inside a jit), one jitted call per leaf; run eagerly, op by op, as optax's
+  # rule runs (one compiled call may round an intermediate differently, e.g. by an FMA).
+  traced = any(isinstance(x, jax.core.Tracer) for leaf in leaves for x in leaf)
+  rule = _jitted_rule_on_leaf if traced else _rule_on_leaf
+  outs = [rule(op, constants, {k: v for k, v in hi.items() if not _is_constant(v)}, leaf)
+          for hi, leaf in zip(hs, leaves)]
   if not op.has_norms:
     return outs, None
   norms = []
