@@ -1,20 +1,27 @@
 """The grouped kernel's geometry: elements per block (``ExecutorOptions.grouped_tiling``) x
-Triton warps x buffers per launch, for the fused apply of bench cases (by default Adam) on
-2000 leaves of 16K parameters (the bench's ``leaves`` tree) and on GPT-2 small; kernel
-time from the profiler (optirs_jax.bench.timing), as % of the copy bandwidth at the case's
-minimal bytes, Adam's grouped launches per step, and the first call's seconds (trace,
-compile and run: how the Triton compile grows with the leaves of one launch).
+Triton warps x launch plan, for the fused apply of bench cases (by default Adam) on 2000
+leaves of 16K parameters (the bench's ``leaves`` tree) and on GPT-2 small; kernel time from
+the profiler (optirs_jax.bench.timing), as % of the copy bandwidth at the case's minimal
+bytes, Adam's grouped launches per step (and how many distinct ones), and the first call's
+trace, lowering and compile seconds (how the Triton compile grows with the leaves of one
+launch).
 
-  python3 benchmarks/grouped_tiling.py [rows,...] [warps,...] [tree,...] [pointers,...] \
+  python3 benchmarks/grouped_tiling.py [rows,...] [warps,...] [tree,...] [plan,...] \
       [case,...]
 
-``case``: names of ``optirs_jax.bench.cases.OPTIMIZERS`` (e.g. ``adamw_bf16_master``).
+``plan``: ``MAX[/SPLIT[/BLOCKS]][:greedy]``, the buffers a launch holds at most, and those
+and the blocks after which it closes (``plan_grouped_calls``'s ``max_pointers``,
+``split_pointers`` and ``split_blocks``; SPLIT defaults to MAX, BLOCKS to the planner's
+default), and ``:greedy`` to cut without following repeated runs of leaves
+(``repeat=False``). ``case``: names of
+``optirs_jax.bench.cases.OPTIMIZERS`` (e.g. ``adamw_bf16_master``).
 
 Buffers per launch beyond 384 (8-byte pointers in a 4 KB parameter space) need CUDA's
 32 KB kernel parameters (CUDA 12.1, Volta or newer); a variant that fails prints why.
 """
 
 import functools
+import itertools
 import math
 import sys
 import time
@@ -31,13 +38,13 @@ from optirs_jax.bench.cases import (
   tree_shapes,
 )
 from optirs_jax.bench.timing import copy_bandwidth, kernel_seconds_per_step
-from optirs_jax.pallas import dispatch
-from optirs_jax.planning.layout import plan_grouped_calls
+from optirs_jax.pallas import dispatch, grouped
+from optirs_jax.planning.layout import SPLIT_BLOCKS, plan_grouped_calls
 
 ROWS = [int(v) for v in (sys.argv[1] if len(sys.argv) > 1 else "8,16,32,64").split(",")]
 WARPS = [int(v) for v in (sys.argv[2] if len(sys.argv) > 2 else "4,8").split(",")]
 TREES = (sys.argv[3] if len(sys.argv) > 3 else "leaves,gpt2").split(",")
-POINTERS = [int(v) for v in (sys.argv[4] if len(sys.argv) > 4 else "384").split(",")]
+PLANS = (sys.argv[4] if len(sys.argv) > 4 else "384/112").split(",")
 NAMES = (sys.argv[5] if len(sys.argv) > 5 else "adam").split(",")
 
 
@@ -50,42 +57,56 @@ def main():
     shapes = tree_shapes(tree, 1.0)
     n = param_count(shapes)
     grads = make_grads(shapes, opt)
-    for pointers, rows, warps in [(a, b, c) for a in POINTERS for b in ROWS for c in WARPS]:
-      # Launches of `pointers` buffers (the planner also closes a launch there once it has
-      # SPLIT_BLOCKS blocks).
-      plan = functools.partial(plan_grouped_calls, max_pointers=pointers,
-                               split_pointers=pointers)
+    for spec, rows, warps in [(a, b, c) for a in PLANS for b in ROWS for c in WARPS]:
+      bounds, _, greedy = spec.partition(":")
+      pointers, split, blocks = (bounds.split("/") + [None, None])[:3]
+      plan = functools.partial(plan_grouped_calls, max_pointers=int(pointers),
+                               split_pointers=int(split or pointers),
+                               split_blocks=int(blocks or SPLIT_BLOCKS),
+                               repeat=greedy != "greedy")
       dispatch.plan_grouped_calls = plan
+      grouped._launch.cache_clear()  # each variant traces its launches anew
+      jax.clear_caches()
       tiling = optirs_jax.Tiling(block_rows=rows, num_warps=warps, flat=True)
       tx, fn = jax_step("optirs-apply", opt, optirs_jax.ExecutorOptions(grouped_tiling=tiling))
       # The gradients are an argument, not a constant of the program (a closed-over tree
       # would be compiled into it).
       step = jax.jit(fn, donate_argnums=(0, 1))
-      label = (f"{name} {tree:8s} block {rows * 128:6d} warps {warps} "
-               f"pointers {pointers:5d}")
+      label = f"{name} {tree:8s} block {rows * 128:6d} warps {warps} plan {spec:>14s}"
       try:
         params = make_tree(shapes, 0, opt.dtype)
         state = tx.init(params)
         # Adam's fused apply reads g, p, mu, nu and writes p, mu, nu: 7 buffers a leaf
         # (the first pass's launches; other cases are not counted).
-        launches = len(plan([math.prod(v) for v in shapes.values()],
-                            block_elems=tiling.block_elems, operands_per_leaf=7))
-        start = time.perf_counter()
-        state = step(params, state, grads)
+        calls = plan([math.prod(shapes[k]) for k in sorted(shapes)],
+                     block_elems=tiling.block_elems, operands_per_leaf=7)
+        jax.block_until_ready((params, state))
+        times = [time.perf_counter()]
+        traced = step.trace(params, state, grads)
+        times.append(time.perf_counter())
+        lowered = traced.lower()
+        times.append(time.perf_counter())
+        compiled = lowered.compile()
+        times.append(time.perf_counter())
+        state = compiled(params, state, grads)
         jax.block_until_ready(state)
-        first = time.perf_counter() - start
+        times.append(time.perf_counter())
         t, state = kernel_seconds_per_step(lambda st, step=step: step(*st, grads), state, 10)
       except Exception as e:  # a variant the toolchain rejects is a result
         print(f"{label}: failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
         continue
       finally:
         dispatch.plan_grouped_calls = plan_grouped_calls
-      count = f"{launches} launches, " if name == "adam" else ""
+      parts = [b - a for a, b in itertools.pairwise(times)]
+      first = (f"first call {sum(parts):5.1f} s (trace {parts[0]:.2f}, lower {parts[1]:.2f}, "
+               f"compile {parts[2]:.2f})")
+      count = (f"{len(calls)} launches ({len({c.sizes for c in calls})} distinct), "
+               if name == "adam" else "")
       if t is None:
-        print(f"{label}: no device trace (CPU), {count}first call {first:5.1f} s", flush=True)
+        print(f"{label}: no device trace (CPU), {count}{first}", flush=True)
         continue
       print(f"{label}: {t * 1e3:7.3f} ms  {opt.bytes_per_param * n / t / 1e9 / bw:6.1%} of "
-            f"copy, {count}first call {first:5.1f} s", flush=True)
+            f"copy, {count}{first}", flush=True)
       del state
 
 

@@ -9,7 +9,10 @@
 # (benchmarks/grouped_tiling.py $GROUPED_ARGS), finite (benchmarks/finite_tiling.py
 # $FINITE_ARGS), mosaic (benchmarks/mosaic_tiling.py once per "|"-separated argument list
 # of $MOSAIC_RUNS), breakdown (benchmarks/kernel_breakdown.py
-# for each "tree:optimizer" of $BREAKDOWN), tests (the
+# for each "tree:optimizer" of $BREAKDOWN), firstcall (benchmarks/first_call.py, one process
+# per "tree:optimizer:impl" of $FIRST_CALLS, $FIRST_CALL_REPS rounds, each round once per
+# package folder of $FIRST_CALL_PATHS, e.g. ". old" with an older checkout's optirs_jax in
+# old/: alternating, so the machine's drift falls on each alike), tests (the
 # whole suite with the GPU visible, WORKERS pytest-xdist workers), bench (python -m
 # optirs_jax.bench $BENCH_ARGS).
 set -uo pipefail
@@ -68,6 +71,18 @@ if has breakdown; then
     timeout 120 python3 benchmarks/kernel_breakdown.py "${case%%:*}" "${case##*:}" optirs-apply \
       2>&1 | grep -v "^WARNING\|^I0000\|^E0000" | tee -a "$OUT/breakdown.txt"
   done
+fi
+if has firstcall; then
+  for ((rep = 0; rep < ${FIRST_CALL_REPS:-2}; rep++)); do
+    for case in ${FIRST_CALLS:-gpt2:adam:optirs-apply gpt2:adam:optax}; do
+      IFS=: read -r tree opt impl <<< "$case"
+      for path in ${FIRST_CALL_PATHS:-.}; do
+        printf '%s ' "$path"
+        PYTHONPATH=$PWD/$path:$PYTHONPATH timeout ${FIRST_CALL_TIMEOUT:-150} \
+          python3 benchmarks/first_call.py "$tree" "$opt" "$impl" 2>&1 | grep -v "^WARNING\|^I0000\|^E0000"
+      done
+    done
+  done | tee -a "$OUT/first_call.txt"
 fi
 if has tests; then
   # Several workers share the GPU (no preallocation); Triton compiles run in parallel.
