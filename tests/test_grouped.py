@@ -283,9 +283,11 @@ def test_per_leaf_scalars_reach_their_leaves():
   xs = [rng.standard_normal((i % 5 + 1, 3 + 97 * (i % 3))).astype(np.float32) for i in range(200)]
   xs[7] = (xs[7] + 1j * xs[7]).astype(np.complex64)
   values = rng.standard_normal((200, 2)).astype(np.float32)
-  for backend in ("jnp", "pallas"):
-    outs, norms = jax.jit(lambda xs, v, backend=backend: execute(
-        op, {"t0": 0.0}, [(x,) for x in xs], backend=backend, leaf_values=v))(
+  # The values as one [leaves, 2] array, or as a row of scalars per leaf.
+  as_rows = lambda v: [(v[i, 0], v[i, 1]) for i in range(len(v))]
+  for backend, form in itertools.product(("jnp", "pallas"), (lambda v: v, as_rows)):
+    outs, norms = jax.jit(lambda xs, v, backend=backend, form=form: execute(
+        op, {"t0": 0.0}, [(x,) for x in xs], backend=backend, leaf_values=form(v)))(
         [jnp.asarray(x) for x in xs], jnp.asarray(values))
     assert norms is None
     for x, (s, t), (y,) in zip(xs, values, outs):
@@ -301,6 +303,9 @@ def test_per_leaf_scalars_of_the_wrong_shape_are_an_error():
     execute(op, {"t0": 0.0}, leaves, backend="jnp", leaf_values=jnp.ones((2, 1)))
   with pytest.raises(ValueError, match=r"must have shape \(2, 2\).*got None"):
     execute(op, {"t0": 0.0}, leaves, backend="pallas")
+  with pytest.raises(ValueError, match=r"must have shape \(2, 2\).*got 2 rows of lengths \[1, 2\]"):
+    execute(op, {"t0": 0.0}, leaves, backend="jnp",
+            leaf_values=[(jnp.ones(()),), (jnp.ones(()), jnp.ones(()))])
 
 
 def test_repeated_launches_are_traced_and_compiled_once():

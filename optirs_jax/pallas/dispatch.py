@@ -73,7 +73,17 @@ def _leaf_hyper(op: ElementwiseOp, h: Mapping, values, i: int) -> Hyper:
   """``h`` with leaf ``i``'s values of the op's per-leaf scalars (row ``i`` of ``values``)."""
   if not op.leaf_hyper:
     return Hyper(h)
-  return Hyper(h, **{name: values[i, k] for k, name in enumerate(op.leaf_hyper)})
+  return Hyper(h, **{name: values[i][k] for k, name in enumerate(op.leaf_hyper)})
+
+
+def _as_array(values) -> jax.Array | None:
+  """Per-leaf values as one ``[leaves, scalars per leaf]`` array (for the kernels: they
+  read them from the launch's hyper-parameter vector). The reference takes the rows as
+  they come: stacking them would join every leaf's norms in one XLA computation, which
+  XLA:CPU compiled 2-3x slower on GPT-2's LAMB."""
+  if values is None or isinstance(values, jax.Array):
+    return values
+  return jnp.stack([jnp.stack(row) for row in values])
 
 
 def _is_constant(value) -> bool:
@@ -231,6 +241,7 @@ def _kernels(op: ElementwiseOp, h: Mapping, leaves: Sequence[Leaf], platform: st
              options: ExecutorOptions, large_on_reference: bool = False,
              norm_axes: Sequence[str] = (), leaf_values: jax.Array | None = None):
   platform = kernel_platform(op, platform, options)
+  leaf_values = _as_array(leaf_values)
   on_ref = [_on_reference(op, leaf, platform, options, large_on_reference) for leaf in leaves]
   outs: list = [None] * len(leaves)
   norms: list = [None] * len(leaves)
@@ -325,9 +336,9 @@ def execute(op: ElementwiseOp, h: Mapping, leaves: Sequence[Leaf], *, backend: s
       rather than the updates; see ``ExecutorOptions.updates_on_reference``.
     norm_axes: inside a ``shard_map``, the mesh axes the leaves are sharded over: a leaf's
       norms are summed over those it varies over (outside, shardings say it).
-    leaf_values: for an op with ``leaf_hyper``, a ``[leaves, len(op.leaf_hyper)]`` array:
-      row ``i`` holds leaf ``i``'s values (in its dtype on the reference, float32 in a
-      kernel).
+    leaf_values: for an op with ``leaf_hyper``, a ``[leaves, len(op.leaf_hyper)]`` array
+      or a sequence of such rows (of scalars): row ``i`` holds leaf ``i``'s values (in its
+      dtype on the reference, float32 in a kernel).
 
   Returns:
     ``(outs, norms)``: per leaf the rule's outputs, and per leaf a tuple of norms (or None).
@@ -335,8 +346,13 @@ def execute(op: ElementwiseOp, h: Mapping, leaves: Sequence[Leaf], *, backend: s
   leaves = [tuple(leaf) for leaf in leaves]
   norm_axes = tuple(norm_axes)
   want = (len(leaves), len(op.leaf_hyper))
-  if op.leaf_hyper and (leaf_values is None or tuple(jnp.shape(leaf_values)) != want):
+  if isinstance(leaf_values, jax.Array) or leaf_values is None:
     got = None if leaf_values is None else tuple(jnp.shape(leaf_values))
+  else:  # rows: their count, then their length where they agree
+    lengths = sorted({len(row) for row in leaf_values}) or [len(op.leaf_hyper)]
+    got = (len(leaf_values), *lengths) if len(lengths) == 1 else (
+        f"{len(leaf_values)} rows of lengths {lengths}")
+  if op.leaf_hyper and got != want:
     raise ValueError(f"op {op.name} reads per-leaf scalars {op.leaf_hyper}: leaf_values must "
                      f"have shape {want} (leaves, scalars per leaf); got {got}")
   ref = lambda: reference(op, h, leaves, norm_axes, leaf_values)

@@ -293,8 +293,7 @@ def _finish(spec: OptimizerSpec, h, first, weights, p, m, norms, uses_master, *,
     # leaves stay exact; float32 ones convert back exactly).
     with jax.numpy_dtype_promotion("standard"):
       dtype = jnp.result_type(*(x for i in idx for x in norms[i]))
-    values = jnp.stack([jnp.stack([norms[i][k].astype(dtype) for i in idx])
-                        for k in range(n_norms)], axis=1)
+    values = [tuple(norms[i][k].astype(dtype) for k in range(n_norms)) for i in idx]
     o, _ = execute(op, h, leaves, backend=backend, options=options, fused_apply=fused,
                    leaf_values=values)
     for j, i in enumerate(idx):
