@@ -107,7 +107,7 @@ _jitted_rule_on_leaf = jax.jit(_rule_on_leaf, static_argnums=(0, 1))
 
 
 def reference(op: ElementwiseOp, h: Mapping, leaves: Sequence[Leaf],
-              norm_axes: Sequence[str] = (), leaf_values: jax.Array | None = None):
+              norm_axes: Sequence[str] = (), leaf_values=None):
   """The jnp reference: the rule on each leaf, norms by ``jnp.linalg.norm`` (or, over
   ``norm_axes`` inside a ``shard_map``, by a ``psum`` of local sums of squares)."""
   hs = [_leaf_hyper(op, h, leaf_values, i) for i in range(len(leaves))]
@@ -239,7 +239,7 @@ def kernel_platform(op: ElementwiseOp, platform: str, options: ExecutorOptions) 
 
 def _kernels(op: ElementwiseOp, h: Mapping, leaves: Sequence[Leaf], platform: str,
              options: ExecutorOptions, large_on_reference: bool = False,
-             norm_axes: Sequence[str] = (), leaf_values: jax.Array | None = None):
+             norm_axes: Sequence[str] = (), leaf_values=None):
   platform = kernel_platform(op, platform, options)
   leaf_values = _as_array(leaf_values)
   on_ref = [_on_reference(op, leaf, platform, options, large_on_reference) for leaf in leaves]
@@ -322,7 +322,7 @@ def check_pallas_dtypes(leaves: Sequence[Leaf], paths: Sequence[str]) -> None:
 
 def execute(op: ElementwiseOp, h: Mapping, leaves: Sequence[Leaf], *, backend: str,
             options: ExecutorOptions = DEFAULT_OPTIONS, fused_apply: bool = False,
-            norm_axes: Sequence[str] = (), leaf_values: jax.Array | None = None):
+            norm_axes: Sequence[str] = (), leaf_values=None):
   """Runs ``op`` on every leaf with the chosen backend.
 
   Args:

@@ -259,14 +259,15 @@ def plan_grouped_calls(sizes: Sequence[int], *, block_elems: int, operands_per_l
     size = int(size)
     if size < 0:
       raise ValueError(f"leaf {leaf} has negative size {size}")
+    if size == 0:
+      continue
     if size > MAX_GROUPED_LEAF_ELEMENTS:
       raise ValueError(f"leaf {leaf} has {size} elements, more than a grouped kernel's 32-bit "
                        f"indices reach ({MAX_GROUPED_LEAF_ELEMENTS=})")
-    if size and -(-size // block_elems) > max_blocks:
-      raise ValueError(f"leaf {leaf} of {size} elements needs {-(-size // block_elems)} "
-                       f"blocks of {block_elems}, more than {max_blocks=}")
-    if size:
-      blocks[leaf] = -(-size // block_elems)
+    blocks[leaf] = -(-size // block_elems)
+    if blocks[leaf] > max_blocks:
+      raise ValueError(f"leaf {leaf} of {size} elements needs {blocks[leaf]} blocks of "
+                       f"{block_elems}, more than {max_blocks=}")
 
   def greedy(units: Sequence[Sequence[int]]) -> list[list[int]]:
     """Units of leaves, in order, into launches, closing one before a unit that does not
