@@ -292,6 +292,11 @@ def test_per_leaf_scalars_reach_their_leaves():
     assert norms is None
     for x, (s, t), (y,) in zip(xs, values, outs):
       np.testing.assert_allclose(np.asarray(y), x * s + t, rtol=1e-6, atol=1e-6)
+  # Called eagerly with NumPy values (scalars of the rows, not constants of the step).
+  outs, _ = execute(op, {"t0": 0.0}, [(jnp.asarray(x),) for x in xs[:3]], backend="jnp",
+                    leaf_values=values[:3])
+  for x, (s, t), (y,) in zip(xs, values, outs):
+    np.testing.assert_allclose(np.asarray(y), x * s + t, rtol=1e-6, atol=1e-6)
 
 
 def test_per_leaf_scalars_of_the_wrong_shape_are_an_error():

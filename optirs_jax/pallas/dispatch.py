@@ -112,11 +112,13 @@ def reference(op: ElementwiseOp, h: Mapping, leaves: Sequence[Leaf],
   ``norm_axes`` inside a ``shard_map``, by a ``psum`` of local sums of squares)."""
   hs = [_leaf_hyper(op, h, leaf_values, i) for i in range(len(leaves))]
   constants = tuple(sorted((k, v) for k, v in h.items() if _is_constant(v)))
+  arrays = {k: v for k, v in h.items() if not _is_constant(v)}
   # Traced (inside a jit), one jitted call per leaf; run eagerly, op by op, as optax's
   # rule runs (one compiled call may round an intermediate differently, e.g. by an FMA).
+  # A leaf's own scalars are arguments whatever their type: they differ from leaf to leaf.
   traced = any(isinstance(x, jax.core.Tracer) for leaf in leaves for x in leaf)
   rule = _jitted_rule_on_leaf if traced else _rule_on_leaf
-  outs = [rule(op, constants, {k: v for k, v in hi.items() if not _is_constant(v)}, leaf)
+  outs = [rule(op, constants, arrays | {n: hi[n] for n in op.leaf_hyper}, leaf)
           for hi, leaf in zip(hs, leaves)]
   if not op.has_norms:
     return outs, None
