@@ -8,13 +8,12 @@ prints one line: the case, then seconds of ``jit(step).trace``, ``.lower()``,
 ``.compile()``, the first run, and their total.
 """
 
-import itertools
 import sys
-import time
 
 import jax
 
 from optirs_jax.bench.cases import OPTIMIZERS, jax_step, make_grads, make_tree, tree_shapes
+from optirs_jax.bench.timing import first_call_parts
 
 
 def main(tree: str, name: str, impl: str):
@@ -25,16 +24,7 @@ def main(tree: str, name: str, impl: str):
   tx, step = jax_step(impl, opt)
   state = tx.init(params)
   jax.block_until_ready((params, state, grads))
-  times = [time.perf_counter()]
-  traced = jax.jit(step, donate_argnums=(0, 1)).trace(params, state, grads)
-  times.append(time.perf_counter())
-  lowered = traced.lower()
-  times.append(time.perf_counter())
-  compiled = lowered.compile()
-  times.append(time.perf_counter())
-  jax.block_until_ready(compiled(params, state, grads))
-  times.append(time.perf_counter())
-  parts = [b - a for a, b in itertools.pairwise(times)]
+  _, parts = first_call_parts(jax.jit(step, donate_argnums=(0, 1)), params, state, grads)
   print(f"{tree} {name} {impl}: trace {parts[0]:.2f} lower {parts[1]:.2f} "
         f"compile {parts[2]:.2f} run {parts[3]:.2f} total {sum(parts):.2f} s", flush=True)
 

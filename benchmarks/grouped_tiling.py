@@ -21,10 +21,8 @@ Buffers per launch beyond 384 (8-byte pointers in a 4 KB parameter space) need C
 """
 
 import functools
-import itertools
 import math
 import sys
-import time
 
 import jax
 
@@ -37,7 +35,7 @@ from optirs_jax.bench.cases import (
   param_count,
   tree_shapes,
 )
-from optirs_jax.bench.timing import copy_bandwidth, kernel_seconds_per_step
+from optirs_jax.bench.timing import copy_bandwidth, first_call_parts, kernel_seconds_per_step
 from optirs_jax.pallas import dispatch, grouped
 from optirs_jax.planning.layout import SPLIT_BLOCKS, plan_grouped_calls
 
@@ -81,23 +79,13 @@ def main():
         calls = plan([math.prod(shapes[k]) for k in sorted(shapes)],
                      block_elems=tiling.block_elems, operands_per_leaf=7)
         jax.block_until_ready((params, state))
-        times = [time.perf_counter()]
-        traced = step.trace(params, state, grads)
-        times.append(time.perf_counter())
-        lowered = traced.lower()
-        times.append(time.perf_counter())
-        compiled = lowered.compile()
-        times.append(time.perf_counter())
-        state = compiled(params, state, grads)
-        jax.block_until_ready(state)
-        times.append(time.perf_counter())
+        state, parts = first_call_parts(step, params, state, grads)
         t, state = kernel_seconds_per_step(lambda st, step=step: step(*st, grads), state, 10)
       except Exception as e:  # a variant the toolchain rejects is a result
         print(f"{label}: failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
         continue
       finally:
         dispatch.plan_grouped_calls = plan_grouped_calls
-      parts = [b - a for a, b in itertools.pairwise(times)]
       first = (f"first call {sum(parts):5.1f} s (trace {parts[0]:.2f}, lower {parts[1]:.2f}, "
                f"compile {parts[2]:.2f})")
       count = (f"{len(calls)} launches ({len({c.sizes for c in calls})} distinct), "

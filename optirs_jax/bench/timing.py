@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import glob
+import itertools
 import os
 import statistics
 import tempfile
@@ -93,6 +94,23 @@ def first_call(fn, *args):
   out = fn(*args)
   block(out)
   return out, time.perf_counter() - t0
+
+
+def first_call_parts(jitted, *args):
+  """(the first call's outputs, its wall seconds of ``jitted.trace``, ``.lower()``,
+  ``.compile()`` and the run, timed apart). ``jitted`` is a ``jax.jit`` function; its own
+  cache is not filled, so a later call of it compiles again."""
+  times = [time.perf_counter()]
+  traced = jitted.trace(*args)
+  times.append(time.perf_counter())
+  lowered = traced.lower()
+  times.append(time.perf_counter())
+  compiled = lowered.compile()
+  times.append(time.perf_counter())
+  out = compiled(*args)
+  block(out)
+  times.append(time.perf_counter())
+  return out, [b - a for a, b in itertools.pairwise(times)]
 
 
 def step_memory(jitted, *args) -> int | None:

@@ -25,7 +25,6 @@ from optirs_jax.pallas.op import ElementwiseOp, block_math, read_hyper
 from optirs_jax.pallas.options import MOSAIC_GPU_MAX_BLOCK_ROWS
 
 CUSTOM_CALL_TARGET = "mosaic_gpu_v2"
-MAX_BLOCK_ROWS = MOSAIC_GPU_MAX_BLOCK_ROWS
 # Shared memory a thread block may allocate on an H100/H200 (227 KB; Mosaic GPU refuses a
 # kernel past it at lowering).
 SMEM_BYTES = 232448
@@ -66,8 +65,8 @@ def geometry(rows: int, row_bytes: int, *, block_rows: int, stages: int,
   At most ``programs`` thread blocks (``None``: one per block) take equal runs of whole
   blocks; the rows past them are the caller's.
   """
-  if not 1 <= block_rows <= MAX_BLOCK_ROWS:
-    raise ValueError(f"{block_rows=} must be in [1, {MAX_BLOCK_ROWS}] on Mosaic GPU")
+  if not 1 <= block_rows <= MOSAIC_GPU_MAX_BLOCK_ROWS:
+    raise ValueError(f"{block_rows=} must be in [1, {MOSAIC_GPU_MAX_BLOCK_ROWS}] on Mosaic GPU")
   while block_rows > 1 and block_rows * row_bytes > SMEM_BYTES:
     block_rows //= 2
   blocks = rows // block_rows
