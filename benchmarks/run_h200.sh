@@ -12,7 +12,9 @@
 # for each "tree:optimizer" of $BREAKDOWN), firstcall (benchmarks/first_call.py, one process
 # per "tree:optimizer:impl" of $FIRST_CALLS, $FIRST_CALL_REPS rounds, each round once per
 # package folder of $FIRST_CALL_PATHS, e.g. ". old" with an older checkout's optirs_jax in
-# old/: alternating, so the machine's drift falls on each alike), tests (the
+# old/: alternating, so the machine's drift falls on each alike), compileprof
+# (benchmarks/compile_profile.py, one process per "tree:optimizer:impl" of $COMPILE_PROFILES),
+# tests (the
 # whole suite with the GPU visible, WORKERS pytest-xdist workers), bench (python -m
 # optirs_jax.bench $BENCH_ARGS).
 set -uo pipefail
@@ -83,6 +85,13 @@ if has firstcall; then
       done
     done
   done | tee -a "$OUT/first_call.txt"
+fi
+if has compileprof; then
+  for case in ${COMPILE_PROFILES:-leaves:adam:optirs-apply}; do
+    IFS=: read -r tree opt impl <<< "$case"
+    timeout ${COMPILE_PROFILE_TIMEOUT:-150} python3 benchmarks/compile_profile.py "$tree" "$opt" \
+      "$impl" ${COMPILE_PROFILE_TOP:-40} 2>&1 | grep -v "^WARNING\|^I0000\|^E0000"
+  done | tee -a "$OUT/compile_profile.txt"
 fi
 if has tests; then
   # Several workers share the GPU (no preallocation); Triton compiles run in parallel.

@@ -1,0 +1,56 @@
+"""Where a step's compile goes: ``jit(step).lower(...).compile()`` under the profiler, its
+host events summed by name (inclusive seconds and count, the longest first).
+
+  PYTHONPATH=. python benchmarks/compile_profile.py leaves adam optirs-apply [top]
+
+One case per process (a process's caches would shorten the compile). Nested events count
+in their own name and in their parents', so the rows do not add up to the total.
+"""
+
+import collections
+import glob
+import os
+import sys
+import tempfile
+import time
+
+import jax
+from jax.profiler import ProfileData
+
+from optirs_jax.bench.cases import OPTIMIZERS, jax_step, make_grads, make_tree, tree_shapes
+
+
+def main(tree: str, name: str, impl: str, top: int = 40):
+  opt = OPTIMIZERS[name]
+  shapes = tree_shapes(tree, 1.0)
+  grads = make_grads(shapes, opt)
+  params = make_tree(shapes, 0, opt.dtype)
+  tx, step = jax_step(impl, opt)
+  state = tx.init(params)
+  jax.block_until_ready((params, state, grads))
+  lowered = jax.jit(step, donate_argnums=(0, 1)).lower(params, state, grads)
+  with tempfile.TemporaryDirectory() as d:
+    with jax.profiler.trace(d):
+      t0 = time.perf_counter()
+      lowered.compile()
+      seconds = time.perf_counter() - t0
+    files = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
+    profile = ProfileData.from_file(files[0])
+  totals: dict[str, list] = collections.defaultdict(lambda: [0, 0])
+  for plane in profile.planes:
+    if plane.name.startswith("/device:"):
+      continue
+    for line in plane.lines:
+      for event in line.events:
+        row = totals[event.name]
+        row[0] += event.duration_ns
+        row[1] += 1
+  print(f"# {tree} {name} {impl}: compile {seconds:.2f} s wall; host events by inclusive "
+        f"seconds ({jax.devices()[0].device_kind}, jax {jax.__version__})", flush=True)
+  for event, (ns, count) in sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]:
+    print(f"{ns / 1e9:9.3f} s {count:7d}x  {event[:110]}", flush=True)
+
+
+if __name__ == "__main__":
+  args = sys.argv[1:]
+  main(*args[:3], *[int(a) for a in args[3:4]])
