@@ -9,11 +9,12 @@ launch).
   python3 benchmarks/grouped_tiling.py [rows,...] [warps,...] [tree,...] [plan,...] \
       [case,...]
 
-``plan``: ``MAX[/SPLIT[/BLOCKS]][:greedy]``, the buffers a launch holds at most, and those
+``plan``: ``MAX[/SPLIT[/BLOCKS]][:greedy][:branch]``, the buffers a launch holds at most, and those
 and the blocks after which it closes (``plan_grouped_calls``'s ``max_pointers``,
 ``split_pointers`` and ``split_blocks``; SPLIT defaults to MAX, BLOCKS to the planner's
 default), and ``:greedy`` to cut without following repeated runs of leaves
-(``repeat=False``). ``case``: names of
+(``repeat=False``), and ``:branch`` for one branch per leaf around its loads and stores
+instead of the leaf table (``grouped.POINTER_SELECT = False``). ``case``: names of
 ``optirs_jax.bench.cases.OPTIMIZERS`` (e.g. ``adamw_bf16_master``).
 
 Buffers per launch beyond 384 (8-byte pointers in a 4 KB parameter space) need CUDA's
@@ -56,13 +57,18 @@ def main():
     n = param_count(shapes)
     grads = make_grads(shapes, opt)
     for spec, rows, warps in [(a, b, c) for a in PLANS for b in ROWS for c in WARPS]:
-      bounds, _, greedy = spec.partition(":")
+      bounds, *flags = spec.split(":")
+      unknown = set(flags) - {"greedy", "branch"}
+      if unknown:
+        raise SystemExit(f"unknown plan flags {sorted(unknown)} in {spec!r}; valid: greedy, "
+                         "branch")
       pointers, split, blocks = (bounds.split("/") + [None, None])[:3]
       plan = functools.partial(plan_grouped_calls, max_pointers=int(pointers),
                                split_pointers=int(split or pointers),
                                split_blocks=int(blocks or SPLIT_BLOCKS),
-                               repeat=greedy != "greedy")
+                               repeat="greedy" not in flags)
       dispatch.plan_grouped_calls = plan
+      grouped.POINTER_SELECT = "branch" not in flags
       grouped._launch.cache_clear()  # each variant traces its launches anew
       jax.clear_caches()
       tiling = optirs_jax.Tiling(block_rows=rows, num_warps=warps, flat=True)
@@ -86,6 +92,7 @@ def main():
         continue
       finally:
         dispatch.plan_grouped_calls = plan_grouped_calls
+        grouped.POINTER_SELECT = True
       first = (f"first call {sum(parts):5.1f} s (trace {parts[0]:.2f}, lower {parts[1]:.2f}, "
                f"compile {parts[2]:.2f})")
       count = (f"{len(calls)} launches ({len({c.sizes for c in calls})} distinct), "

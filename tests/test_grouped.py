@@ -18,6 +18,7 @@ import pytest
 from hypothesis import given, settings
 
 import optirs_jax
+from optirs_jax.pallas import grouped
 from optirs_jax.pallas.grouped import SEGMENT_ROWS, segment_totals
 from optirs_jax.planning.layout import (
   MAX_POINTERS_PER_CALL,
@@ -329,17 +330,29 @@ def test_repeated_launches_are_traced_and_compiled_once():
   assert exp.mlir_module().count(TRITON) == 3
 
 
+@pytest.mark.parametrize("pointer_select", [True, False])
 @pytest.mark.parametrize("dtypes", [("float32",), ("float32", "bfloat16")])
-def test_a_launch_traces_the_rule_once_per_run_of_same_dtype_leaves(dtypes):
-  # Only the loads and stores name a leaf's buffers; the rule (Adam's one square root per
-  # element) is traced once for each run of leaves of the same dtypes in a launch.
+def test_a_launch_traces_the_rule_once_per_run_of_same_dtype_leaves(dtypes, pointer_select,
+                                                                     monkeypatch):
+  # The rule (Adam's one square root per element) is traced once for each run of leaves of
+  # the same dtypes in a launch. Through the leaf table, so are the loads and stores (one
+  # table load and one table store per run); with a branch per leaf, only the loads and
+  # stores name a leaf's buffers.
+  monkeypatch.setattr(grouped, "POINTER_SELECT", pointer_select)
+  grouped._launch.cache_clear()
   tx = optirs_jax.adam(1e-3, backend="pallas")
   params = {f"w{i:02d}": jnp.ones((100 + i,), dtypes[i * len(dtypes) // 12]) for i in range(12)}
   state = tx.init(params)
   closed = jax.make_jaxpr(lambda g, s, p: optirs_jax.apply(tx, g, s, p))(params, state, params)
+  grouped._launch.cache_clear()
   kernels = cases.kernel_primitives(closed)
   assert kernels
   for counts in kernels:
     assert counts["sqrt"] == len(dtypes)
-    assert counts["masked_load"] == 4 * len(params)  # g, mu, nu and p of every leaf
-    assert counts["masked_swap"] == 3 * len(params)  # p, mu and nu written in place
+    if pointer_select:
+      assert counts["optirs_leaf_load"] == counts["optirs_leaf_store"] == len(dtypes)
+      assert counts["masked_load"] == counts["masked_swap"] == 0
+    else:
+      assert counts["optirs_leaf_load"] == counts["optirs_leaf_store"] == 0
+      assert counts["masked_load"] == 4 * len(params)  # g, mu, nu and p of every leaf
+      assert counts["masked_swap"] == 3 * len(params)  # p, mu and nu written in place

@@ -3,15 +3,18 @@
 The launch takes every leaf's operands as separate whole-array arguments (a compile-time
 table of buffers, planned by :func:`optirs_jax.planning.layout.plan_grouped_calls`). Its
 grid has one program per 1-D block of every leaf; program ``i`` finds the leaf that owns it
-by a binary search over the static block offsets (:func:`for_owner`: nested branches, only
-the owner's body runs), loads its block with a mask past the leaf's end, calls the op's rule
-and stores the results masked. Only the loads and stores are per leaf (they name its
-buffers): the rule is traced once per run of leaves of the same dtypes, so the kernel's code
-and its compile grow by a few memory operations per leaf. Nothing is concatenated before
-the step or sliced after it, and leaves of any size or dtype share a launch, so a tree of
-many leaves costs a few launches and no copies; the state and, on the fused apply, the
-params are updated in place. Per-leaf norms: each program writes its block's sum of
-squares, and :func:`segment_totals` adds them per leaf in one more launch.
+by a binary search over the static block offsets, loads its block with a mask past the
+leaf's end, calls the op's rule and stores the results masked. The search yields the
+owner's buffer pointers (:mod:`optirs_jax.pallas.leaf_table`), so each operand has one load
+or store and the rule is traced once per run of leaves of the same dtypes: the kernel's
+code and its compile grow by a few scalars per leaf. Where this jax's Triton lowering lacks
+what the leaf table needs, the search branches around each leaf's own loads and stores
+(:func:`for_owner`, :func:`owner_value`), a few vector memory operations per leaf.
+Nothing is concatenated before the step or sliced after it, and leaves of any size or
+dtype share a launch, so a tree of many leaves costs a few launches and no copies; the
+state and, on the fused apply, the params are updated in place. Per-leaf norms: each
+program writes its block's sum of squares, and :func:`segment_totals` adds them per leaf in
+one more launch.
 
 This is the Apex multi-tensor-apply design with the address table fixed at trace time: a
 ``pallas_call`` takes whole arrays, not a runtime table of pointers, so one launch serves
@@ -34,6 +37,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from optirs_jax.pallas import leaf_table
 from optirs_jax.pallas.kernel import compiler_params
 from optirs_jax.pallas.op import (
   ElementwiseOp,
@@ -43,6 +47,10 @@ from optirs_jax.pallas.op import (
 from optirs_jax.pallas.options import Tiling
 from optirs_jax.pallas.sharding import out_struct, vary_alike
 from optirs_jax.planning.layout import GroupedCall
+
+# Loads and stores through the owner's pointers (:mod:`optirs_jax.pallas.leaf_table`),
+# where this jax's Triton lowering allows, rather than one branch per leaf around them.
+POINTER_SELECT = True
 
 
 def for_owner(pid, starts: Sequence[int], body, lo: int = 0, hi: int | None = None) -> None:
@@ -87,7 +95,7 @@ def dtype_runs(signatures: Sequence) -> list[tuple[int, int]]:
 
 
 def _body(h_ref, *refs, op: ElementwiseOp, call: GroupedCall, n_in: int, n_out: int,
-          skip: bool = False):
+          skip: bool = False, pointer_select: bool = True):
   leaves = len(call.sizes)
   in_refs = refs[:leaves * n_in]
   out_refs = refs[leaves * n_in:leaves * (n_in + n_out)]
@@ -99,9 +107,8 @@ def _body(h_ref, *refs, op: ElementwiseOp, call: GroupedCall, n_in: int, n_out: 
   run_op = dataclasses.replace(op, rule=op.unguarded) if skip else op
 
   def run(lo: int, hi: int):
-    """Leaves ``lo..hi - 1``, of one dtype signature: only the loads and stores are per
-    leaf (they name its buffers); the rule is traced once for all of them, so the kernel's
-    code grows by a few memory operations per leaf, not by the rule."""
+    """Leaves ``lo..hi - 1``, of one dtype signature: the rule is traced once for all of
+    them, so the kernel's code grows by the search per leaf, not by the rule."""
     def locate(k):
       # The program's block in its leaf, the elements left from there, the leaf's own
       # scalars (computed or read in the branch: a branch cannot yield a constant).
@@ -109,26 +116,36 @@ def _body(h_ref, *refs, op: ElementwiseOp, call: GroupedCall, n_in: int, n_out: 
       leaf_h = read_hyper(h_ref, (), op.leaf_hyper, k)
       return local, call.sizes[k] - local * block, *(leaf_h[n] for n in op.leaf_hyper)
 
-    local, left, *leaf_values = owner_value(pid, call.starts, locate, lo, hi)
     lane = jnp.arange(block, dtype=jnp.int32)
+    if pointer_select:
+      local, left, ins = leaf_table.load(pid, call.starts[lo:hi + 1], call.sizes[lo:hi],
+                                         block, [ins_of(k) for k in range(lo, hi)], op.pads)
+      leaf_values = (owner_value(pid, call.starts, lambda k: locate(k)[2:], lo, hi)
+                     if op.leaf_hyper else [])
+    else:
+      local, left, *leaf_values = owner_value(pid, call.starts, locate, lo, hi)
     idx = local * block + lane
     mask = lane < left
+    if not pointer_select:
+      def load(k):
+        return tuple(pltriton.load(r.at[idx], mask=mask, other=jnp.asarray(pad, r.dtype))
+                     for r, pad in zip(ins_of(k), op.pads))
 
-    def load(k):
-      return tuple(pltriton.load(r.at[idx], mask=mask, other=jnp.asarray(pad, r.dtype))
-                   for r, pad in zip(ins_of(k), op.pads))
-
-    ins = owner_value(pid, call.starts, load, lo, hi)
+      ins = owner_value(pid, call.starts, load, lo, hi)
     h = read_hyper(h_ref, op.hyper)
     h.update(zip(op.leaf_hyper, leaf_values))
     results, sources = block_math(run_op, h, ins, [r.dtype for r in outs_of(lo)],
                                   idx.astype(jnp.uint32) if op.indexed else None)
 
-    def store(k):
-      for r, y in zip(outs_of(k), results):
-        pltriton.store(r.at[idx], y, mask=mask)
+    if pointer_select:
+      leaf_table.store(pid, call.starts[lo:hi + 1], [outs_of(k) for k in range(lo, hi)], idx,
+                       mask, results)
+    else:
+      def store(k):
+        for r, y in zip(outs_of(k), results):
+          pltriton.store(r.at[idx], y, mask=mask)
 
-    for_owner(pid, call.starts, store, lo, hi)
+      for_owner(pid, call.starts, store, lo, hi)
     for r, x in zip(norm_refs, sources):
       x = jnp.where(mask, x, 0.0)
       r[...] = jnp.sum(x * x)[None]  # the block's sum of squares, 4 bytes
@@ -206,7 +223,9 @@ def _launch(op, out_dtypes, call, tiling, platform, aliases):
                   for k, alias in enumerate(aliases) for i, o in alias}
     skip = op.skips_in_place([dict(a) for a in aliases], n_out)
     return pl.pallas_call(
-        functools.partial(_body, op=op, call=call, n_in=n_in, n_out=n_out, skip=skip),
+        functools.partial(_body, op=op, call=call, n_in=n_in, n_out=n_out, skip=skip,
+                          pointer_select=POINTER_SELECT and (
+                            leaf_table.AVAILABLE or platform == "interpret")),
         out_shape=tuple(out_shape),
         grid=(call.num_blocks,),
         in_specs=[pl.BlockSpec(hvec.shape, lambda i: (0,))] + [whole] * len(operands),

@@ -1,0 +1,99 @@
+"""The leaf table's loads and stores (optirs_jax.pallas.leaf_table) against NumPy: which leaf
+owns each program, the block it reads (with the pad past the leaf's end) and what it
+writes; run in interpret mode (their discharge), lowered to Triton for an abstract H200."""
+
+import functools
+
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from optirs_jax.pallas import leaf_table
+from tests.test_lowering import TRITON, abstract_target
+
+PAD_A, PAD_B = -3.0, 7.0
+
+
+def _body(*refs, starts, sizes, block):
+  """Per leaf inputs a, b and output y = a * b + 1; per program its owner's block index,
+  the elements left, and the sum of the loaded a (pad lanes included)."""
+  n = len(sizes)
+  ins, outs = refs[:2 * n], refs[2 * n:3 * n]
+  local_ref, left_ref, sum_ref = refs[3 * n:]
+  pid = pl.program_id(0)
+  local, left, (a, b) = leaf_table.load(pid, starts, sizes, block,
+                                        [ins[2 * k:2 * k + 2] for k in range(n)],
+                                        [PAD_A, PAD_B])
+  lane = jnp.arange(block, dtype=jnp.int32)
+  leaf_table.store(pid, starts, [outs[k:k + 1] for k in range(n)], local * block + lane,
+                   lane < left, [a * b + 1.0])
+  local_ref[...] = local[None]
+  left_ref[...] = left[None]
+  sum_ref[...] = jnp.sum(a)[None]
+
+
+def _call(sizes, block, platform):
+  starts = np.concatenate([[0], np.cumsum([-(-s // block) for s in sizes])]).tolist()
+  grid = starts[-1]
+  per_program = pl.BlockSpec((1,), lambda i: (i,))
+  return pl.pallas_call(
+    functools.partial(_body, starts=starts, sizes=sizes, block=block),
+    out_shape=[jax.ShapeDtypeStruct((s,), jnp.float32) for s in sizes]
+    + [jax.ShapeDtypeStruct((grid,), jnp.int32)] * 2 + [jax.ShapeDtypeStruct((grid,), jnp.float32)],
+    grid=(grid,),
+    in_specs=[pl.BlockSpec()] * (2 * len(sizes)),
+    out_specs=[pl.BlockSpec()] * len(sizes) + [per_program] * 3,
+    interpret=platform == "interpret",
+    compiler_params=pltriton.CompilerParams(num_warps=1) if platform == "cuda" else None,
+  ), starts
+
+
+@settings(max_examples=12, deadline=None)
+@given(sizes=st.lists(st.integers(1, 40), min_size=1, max_size=6),
+       block=st.sampled_from([4, 8, 16]), seed=st.integers(0, 2**16))
+def test_each_program_reads_and_writes_its_own_leafs_block(sizes, block, seed):
+  rng = np.random.default_rng(seed)
+  a = [rng.standard_normal(s).astype(np.float32) for s in sizes]
+  b = [rng.standard_normal(s).astype(np.float32) for s in sizes]
+  call, starts = _call(sizes, block, "interpret")
+  *ys, local, left, sums = jax.jit(call)(*[x for pair in zip(a, b) for x in pair])
+  for y, x, z in zip(ys, a, b):
+    np.testing.assert_allclose(np.asarray(y), x * z + 1, rtol=1e-6, atol=1e-6)  # fma or not
+  # The owner of each program by a linear scan over the offsets, written out.
+  for pid in range(starts[-1]):
+    k = max(j for j in range(len(sizes)) if starts[j] <= pid)
+    want_local = pid - starts[k]
+    rows = a[k][want_local * block:(want_local + 1) * block]
+    assert int(local[pid]) == want_local
+    assert int(left[pid]) == sizes[k] - want_local * block
+    np.testing.assert_allclose(float(sums[pid]), rows.sum() + PAD_A * (block - rows.size),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_arguments_are_checked():
+  ref = jnp.zeros(4)
+  with pytest.raises(ValueError, match="one more start than leaves, got 2 starts for 2"):
+    leaf_table.load(0, [0, 1], [4, 4], 4, [[ref], [ref]], [0.0])
+  with pytest.raises(ValueError, match=r"same operands; got \[1, 2\]"):
+    leaf_table.load(0, [0, 1, 2], [4, 4], 4, [[ref], [ref, ref]], [0.0])
+  with pytest.raises(ValueError, match="same dtypes"):
+    leaf_table.store(0, [0, 1, 2], [[ref], [jnp.zeros(4, jnp.int32)]], jnp.arange(4),
+                     jnp.ones(4, bool), [ref])
+  with pytest.raises(ValueError, match="one size per leaf, got 1 for 2 leaves"):
+    leaf_table.load(0, [0, 1, 2], [4], 4, [[ref], [ref]], [0.0])
+
+
+@pytest.mark.skipif(not leaf_table.AVAILABLE, reason="this jax's Triton lowering lacks what "
+                    "the leaf table builds on; grouped launches branch per leaf instead")
+def test_lowers_to_triton():
+  sizes = [5, 9, 3]
+  call, _ = _call(sizes, 4, "cuda")
+  args = [jax.ShapeDtypeStruct((s,), jnp.float32) for s in sizes for _ in range(2)]
+  with abstract_target("NVIDIA H200", "cuda"):
+    text = jax.jit(call).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert TRITON in text
