@@ -17,18 +17,12 @@ import time
 import jax
 from jax.profiler import ProfileData
 
-from optirs_jax.bench.cases import OPTIMIZERS, jax_step, make_grads, make_tree, tree_shapes
+from optirs_jax.bench.cases import step_and_inputs
 
 
 def main(tree: str, name: str, impl: str, top: int = 40):
-  opt = OPTIMIZERS[name]
-  shapes = tree_shapes(tree, 1.0)
-  grads = make_grads(shapes, opt)
-  params = make_tree(shapes, 0, opt.dtype)
-  tx, step = jax_step(impl, opt)
-  state = tx.init(params)
-  jax.block_until_ready((params, state, grads))
-  lowered = jax.jit(step, donate_argnums=(0, 1)).lower(params, state, grads)
+  step, args = step_and_inputs(tree, name, impl)
+  lowered = jax.jit(step, donate_argnums=(0, 1)).lower(*args)
   with tempfile.TemporaryDirectory() as d:
     with jax.profiler.trace(d):
       t0 = time.perf_counter()

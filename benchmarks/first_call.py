@@ -12,19 +12,13 @@ import sys
 
 import jax
 
-from optirs_jax.bench.cases import OPTIMIZERS, jax_step, make_grads, make_tree, tree_shapes
+from optirs_jax.bench.cases import step_and_inputs
 from optirs_jax.bench.timing import first_call_parts
 
 
 def main(tree: str, name: str, impl: str):
-  opt = OPTIMIZERS[name]
-  shapes = tree_shapes(tree, 1.0)
-  grads = make_grads(shapes, opt)
-  params = make_tree(shapes, 0, opt.dtype)
-  tx, step = jax_step(impl, opt)
-  state = tx.init(params)
-  jax.block_until_ready((params, state, grads))
-  _, parts = first_call_parts(jax.jit(step, donate_argnums=(0, 1)), params, state, grads)
+  step, args = step_and_inputs(tree, name, impl)
+  _, parts = first_call_parts(jax.jit(step, donate_argnums=(0, 1)), *args)
   print(f"{tree} {name} {impl}: trace {parts[0]:.2f} lower {parts[1]:.2f} "
         f"compile {parts[2]:.2f} run {parts[3]:.2f} total {sum(parts):.2f} s", flush=True)
 

@@ -95,8 +95,12 @@ if has compileprof; then
 fi
 if has tests; then
   # Several workers share the GPU (no preallocation); Triton compiles run in parallel.
-  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${TESTS_TIMEOUT:-400} python3 -m pytest -q \
-    -p no:cacheprovider -p no:benchmark -rs -n ${WORKERS:-8} "$@" 2>&1 | tee "$OUT/pytest.log" | tail -25
+  # Verbose: each result is logged as it comes, so a run cut by its timeout still names its
+  # failures.
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${TESTS_TIMEOUT:-400} python3 -m pytest -v \
+    -p no:cacheprovider -p no:benchmark -rs -n ${WORKERS:-8} "$@" > "$OUT/pytest.log" 2>&1
+  grep -E "^\[gw[0-9]+\] .*(FAILED|ERROR)|^FAILED|^ERROR" "$OUT/pytest.log" | head -40
+  tail -25 "$OUT/pytest.log"
 fi
 if has sharded; then
   timeout ${SHARDED_TIMEOUT:-120} python3 benchmarks/sharded_overhead.py 2>&1 | tee "$OUT/sharded.txt"

@@ -156,3 +156,16 @@ def jax_step(impl: str, opt: Opt, options=None):
     return optax.apply_updates(p, u), s
 
   return tx, step
+
+
+def step_and_inputs(tree: str, name: str, impl: str):
+  """(step, (params, state, grads)) of one bench case at full scale, on the device: what a
+  first-call measurement compiles and runs (:func:`jax_step`'s donation order)."""
+  opt = OPTIMIZERS[name]
+  shapes = tree_shapes(tree, 1.0)
+  grads = make_grads(shapes, opt)
+  params = make_tree(shapes, 0, opt.dtype)
+  tx, step = jax_step(impl, opt)
+  state = tx.init(params)
+  jax.block_until_ready((params, state, grads))
+  return step, (params, state, grads)
