@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.ref import AbstractRef
 
 import optirs_jax
 
@@ -114,9 +115,22 @@ def rel_err(a, b) -> float:
   return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-def kernel_primitives(closed) -> list[collections.Counter]:
+def kernel_memory(closed) -> list[tuple[int, int]]:
+  """Per Pallas kernel of a jaxpr, how many buffers its masked loads read and its masked
+  stores write, branches included: a masked load or store names one buffer, a leaf table's
+  (``optirs_jax.pallas.leaf_table``) names every leaf's buffer of each of its operands."""
+  totals = []
+  for counts in kernel_primitives(closed, refs=True):
+    totals.append((counts["masked_load"] + counts["optirs_leaf_load"],
+                   counts["masked_swap"] + counts["optirs_leaf_store"]))
+  return totals
+
+
+def kernel_primitives(closed, refs: bool = False) -> list[collections.Counter]:
   """Per Pallas kernel of a jaxpr (on a GPU ``backend="pallas"`` traces the Triton branch
-  and the interpret-mode default), the names of its primitives, branches included."""
+  and the interpret-mode default), the names of its primitives, branches included; with
+  ``refs``, each counted once per ref operand it takes (a leaf table's load or store once
+  per buffer)."""
   kernels = []
 
   def walk(jx, counts):
@@ -125,7 +139,8 @@ def kernel_primitives(closed) -> list[collections.Counter]:
       if eqn.primitive.name == "pallas_call":
         kernels.append(inner := collections.Counter())
       elif counts is not None:
-        counts[eqn.primitive.name] += 1
+        touched = sum(isinstance(v.aval, AbstractRef) for v in eqn.invars)
+        counts[eqn.primitive.name] += touched if refs and touched else 1
       for value in eqn.params.values():
         for sub in value if isinstance(value, (tuple, list)) else (value,):
           sub = getattr(sub, "jaxpr", sub)

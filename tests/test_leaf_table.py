@@ -14,6 +14,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from optirs_jax.pallas import leaf_table
+from tests import cases
 from tests.test_lowering import TRITON, abstract_target
 
 PAD_A, PAD_B = -3.0, 7.0
@@ -73,6 +74,29 @@ def test_each_program_reads_and_writes_its_own_leafs_block(sizes, block, seed):
     assert int(left[pid]) == sizes[k] - want_local * block
     np.testing.assert_allclose(float(sums[pid]), rows.sum() + PAD_A * (block - rows.size),
                                rtol=1e-5, atol=1e-5)
+
+
+def test_operands_whose_values_go_unused_are_not_read():
+  # Each leaf's b is loaded but unused: the kernel reads only a, in every leaf, as a masked
+  # load per leaf would be dropped.
+  def body(*refs, starts, sizes):
+    ins, outs = refs[:2 * len(sizes)], refs[2 * len(sizes):]
+    local, left, (a, _) = leaf_table.load(pl.program_id(0), starts, sizes, 4,
+                                          [ins[2 * k:2 * k + 2] for k in range(len(sizes))],
+                                          [0.0, 0.0])
+    lane = jnp.arange(4, dtype=jnp.int32)
+    leaf_table.store(pl.program_id(0), starts, [outs[k:k + 1] for k in range(len(sizes))],
+                     local * 4 + lane, lane < left, [a + 1.0])
+
+  sizes, starts = [5, 3], [0, 2, 3]
+  call = pl.pallas_call(functools.partial(body, starts=starts, sizes=sizes),
+                        out_shape=[jax.ShapeDtypeStruct((s,), jnp.float32) for s in sizes],
+                        grid=(3,), in_specs=[pl.BlockSpec()] * 4,
+                        out_specs=[pl.BlockSpec()] * 2, interpret=True)
+  xs = [jnp.arange(s, dtype=jnp.float32) for s in sizes for _ in range(2)]
+  assert cases.kernel_memory(jax.make_jaxpr(call)(*xs)) == [(2, 2)]  # a of 2 leaves; y of 2
+  got = jax.jit(call)(*xs)
+  np.testing.assert_array_equal(np.asarray(got[0]), np.arange(5) + 1.0)
 
 
 def test_arguments_are_checked():

@@ -341,9 +341,7 @@ def test_the_kernel_guard_of_a_master_step_reads_and_writes_what_the_plain_step_
       g, s, p, inv_scale=inv, finite=f))(params, state, params, jnp.bool_(True))
   plain = jax.make_jaxpr(lambda g, s, p: tx.update.fused_apply(g, s, p, inv_scale=inv))(
       params, state, params)
-  memory = lambda closed: [(c["masked_load"], c["masked_swap"])
-                           for c in cases.kernel_primitives(closed)]
-  counts = memory(guarded)
-  assert counts == memory(plain)
+  counts = cases.kernel_memory(guarded)
+  assert counts == cases.kernel_memory(plain)
   # g, mu, nu and the master read; the params, mu, nu and the master written, per leaf.
   assert counts and all(loads == stores > 0 for loads, stores in counts)

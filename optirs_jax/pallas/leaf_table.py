@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax._src import core as jax_core
+from jax._src.interpreters import partial_eval as pe
 from jax._src.state import discharge as state_discharge
 from jax._src.state import types as state_types
 
@@ -118,6 +119,31 @@ def _load_abstract_eval(pid, *rest, starts, sizes, block, n_ops):
   outs = [jax_core.ShapedArray((block,), r.dtype) for r in refs[:n_ops]]
   return [index, index, *outs], {state_types.ReadEffect(1 + n_ops + j)
                                  for j in range(len(refs))}
+
+
+def _load_dce(used_outs, eqn):
+  """Drops the operands whose loaded values go unused (a fused step does not read the
+  params it overwrites), in every leaf, as a load per leaf unused would be dropped."""
+  if not any(used_outs):
+    return [False] * len(eqn.invars), None
+  n_ops = eqn.params["n_ops"]
+  keep = [i for i in range(n_ops) if used_outs[2 + i]] or [0]
+  if len(keep) == n_ops:
+    return [True] * len(eqn.invars), eqn
+  pid, *rest = eqn.invars
+  others, rows = _rows(rest, n_ops)
+  refs = [row[i] for row in rows for i in keep]
+  outvars = [*eqn.outvars[:2], *(eqn.outvars[2 + i] for i in keep)]
+  new = pe.new_jaxpr_eqn(
+    [pid, *(others[i] for i in keep), *refs], outvars, load_p, dict(eqn.params, n_ops=len(keep)),
+    {state_types.ReadEffect(1 + len(keep) + j) for j in range(len(refs))}, eqn.source_info,
+    eqn.ctx)
+  used_ins = [True, *(i in keep for i in range(n_ops)), *(i in keep for _ in rows
+                                                          for i in range(n_ops))]
+  return used_ins, new
+
+
+pe.dce_rules[load_p] = _load_dce
 
 
 @store_p.def_effectful_abstract_eval
