@@ -191,11 +191,12 @@ def _load_discharge(pid, *rest, starts, sizes, block, n_ops):
 def _store_discharge(pid, idx, mask, *rest, starts, n_ops):
   values, rows = _rows(rest, n_ops)
   owner = _owner(pid, starts)
+
+  def write(row):
+    return [r.at[jnp.where(mask, idx, r.size)].set(v, mode="drop") for r, v in zip(row, values)]
+
   new = []
   for k, row in enumerate(rows):
-    def write(row):
-      return [r.at[jnp.where(mask, idx, r.size)].set(v, mode="drop")
-              for r, v in zip(row, values)]
     new += jax.lax.cond(owner == k, write, list, list(row))
   return [None] * (3 + n_ops) + new, []
 
@@ -239,9 +240,10 @@ if AVAILABLE:
     start, size, *pointers = _owner_values(pid, starts, [leaf(k) for k in range(len(rows))],
                                            types, 0, len(rows))
     local = tl._sub(pid, start)
-    left = tl._sub(size, tl._mul(local, tl._ir_constant(block, i32)))
+    first = tl._mul(local, tl._ir_constant(block, i32))  # the block's first element
+    left = tl._sub(size, first)
     lane = tl._make_range(0, block)
-    idx = tl._add(tl._bcast_to(tl._mul(local, tl._ir_constant(block, i32)), (block,)), lane)
+    idx = tl._add(tl._bcast_to(first, (block,)), lane)
     mask = arith_dialect.cmpi(arith_dialect.CmpIPredicate.slt, lane,
                               tl._bcast_to(left, (block,)))
     values = []
