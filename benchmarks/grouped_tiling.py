@@ -13,8 +13,10 @@ launch).
 and the blocks after which it closes (``plan_grouped_calls``'s ``max_pointers``,
 ``split_pointers`` and ``split_blocks``; SPLIT defaults to MAX, BLOCKS to the planner's
 default), and ``:greedy`` to cut without following repeated runs of leaves
-(``repeat=False``), and ``:branch`` for one branch per leaf around its loads and stores
-instead of the leaf table (``grouped.POINTER_SELECT = False``). ``case``: names of
+(``repeat=False``), ``:branch`` for one branch per leaf around its loads and stores
+instead of the leaf table (``grouped.POINTER_SELECT = False``), and ``:select`` for the
+leaf table's search without its per-leaf marks, which the compilers flatten into selects
+over every leaf's pointers (``leaf_table.MARKED_BRANCHES = False``). ``case``: names of
 ``optirs_jax.bench.cases.OPTIMIZERS`` (e.g. ``adamw_bf16_master``).
 
 Buffers per launch beyond 384 (8-byte pointers in a 4 KB parameter space) need CUDA's
@@ -37,7 +39,7 @@ from optirs_jax.bench.cases import (
   tree_shapes,
 )
 from optirs_jax.bench.timing import copy_bandwidth, first_call_parts, kernel_seconds_per_step
-from optirs_jax.pallas import dispatch, grouped
+from optirs_jax.pallas import dispatch, grouped, leaf_table
 from optirs_jax.planning.layout import SPLIT_BLOCKS, plan_grouped_calls
 
 ROWS = [int(v) for v in (sys.argv[1] if len(sys.argv) > 1 else "8,16,32,64").split(",")]
@@ -58,10 +60,10 @@ def main():
     grads = make_grads(shapes, opt)
     for spec, rows, warps in [(a, b, c) for a in PLANS for b in ROWS for c in WARPS]:
       bounds, *flags = spec.split(":")
-      unknown = set(flags) - {"greedy", "branch"}
+      unknown = set(flags) - {"greedy", "branch", "select"}
       if unknown:
         raise SystemExit(f"unknown plan flags {sorted(unknown)} in {spec!r}; valid: greedy, "
-                         "branch")
+                         "branch, select")
       pointers, split, blocks = (bounds.split("/") + [None, None])[:3]
       plan = functools.partial(plan_grouped_calls, max_pointers=int(pointers),
                                split_pointers=int(split or pointers),
@@ -69,6 +71,7 @@ def main():
                                repeat="greedy" not in flags)
       dispatch.plan_grouped_calls = plan
       grouped.POINTER_SELECT = "branch" not in flags
+      leaf_table.MARKED_BRANCHES = "select" not in flags
       grouped._launch.cache_clear()  # each variant traces its launches anew
       jax.clear_caches()
       tiling = optirs_jax.Tiling(block_rows=rows, num_warps=warps, flat=True)
@@ -93,6 +96,7 @@ def main():
       finally:
         dispatch.plan_grouped_calls = plan_grouped_calls
         grouped.POINTER_SELECT = True
+        leaf_table.MARKED_BRANCHES = True
       first = (f"first call {sum(parts):5.1f} s (trace {parts[0]:.2f}, lower {parts[1]:.2f}, "
                f"compile {parts[2]:.2f})")
       count = (f"{len(calls)} launches ({len({c.sizes for c in calls})} distinct), "

@@ -3,6 +3,7 @@ owns each program, the block it reads (with the pad past the leaf's end) and wha
 writes; run in interpret mode (their discharge), lowered to Triton for an abstract H200."""
 
 import functools
+import re
 
 import hypothesis.strategies as st
 import jax
@@ -38,7 +39,7 @@ def _body(*refs, starts, sizes, block):
   sum_ref[...] = jnp.sum(a)[None]
 
 
-def _call(sizes, block, platform):
+def _call(sizes, block, platform, debug=False):
   starts = np.concatenate([[0], np.cumsum([-(-s // block) for s in sizes])]).tolist()
   grid = starts[-1]
   per_program = pl.BlockSpec((1,), lambda i: (i,))
@@ -51,6 +52,7 @@ def _call(sizes, block, platform):
     out_specs=[pl.BlockSpec()] * len(sizes) + [per_program] * 3,
     interpret=platform == "interpret",
     compiler_params=pltriton.CompilerParams(num_warps=1) if platform == "cuda" else None,
+    debug=debug,
   ), starts
 
 
@@ -114,10 +116,19 @@ def test_arguments_are_checked():
 
 @pytest.mark.skipif(not leaf_table.AVAILABLE, reason="this jax's Triton lowering lacks what "
                     "the leaf table builds on; grouped launches branch per leaf instead")
-def test_lowers_to_triton():
-  sizes = [5, 9, 3]
-  call, _ = _call(sizes, 4, "cuda")
+def test_lowers_to_triton_with_one_unmergeable_branch_per_leaf(capsys):
+  # The search's leaves each hold a side-effecting inline-asm move of the leaf's start,
+  # its text unique to the leaf (the load's search and the store's), so the compilers keep
+  # the branches instead of selecting among every leaf's pointers.
+  sizes = [5, 9, 3, 12, 1]
+  call, starts = _call(sizes, 4, "cuda", debug=True)
   args = [jax.ShapeDtypeStruct((s,), jnp.float32) for s in sizes for _ in range(2)]
   with abstract_target("NVIDIA H200", "cuda"):
     text = jax.jit(call).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   assert TRITON in text
+  module = capsys.readouterr().out.split("The Triton module for pallas_call")[-1]
+  asm = re.findall(r'tt.elementwise_inline_asm "([^"]*)" \{([^}]*)\}', module)
+  want = [f"mov.b32 $0, {starts[k]}; // leaf {k}" for k in range(len(sizes))]
+  assert sorted(a for a, _ in asm) == sorted(want * 2)  # the load's search, the store's
+  assert all("pure = false" in attrs for _, attrs in asm)
+  assert module.count("scf.if") == 2 * (len(sizes) - 1)

@@ -12,10 +12,11 @@ owner's *pointers*, first block and size (scalars), then one masked vector load 
 per operand: the Apex multi-tensor-apply address table, resolved at compile time. The code
 per leaf is a few scalars, so Triton compiles a launch in about half the time (H200, jax
 0.11.2: GPT-2 Adam's launches 0.49-0.60 s instead of 1.07-1.29 s, 2000 leaves' 4.1 s instead
-of 7.3-7.6 s), at the same kernel time. Launches of more leaves still run slower per step
-(the planner's limits stand). In interpret mode the primitives are discharged into the same
-semantics over arrays (one switch for the load, one conditional update per leaf for the
-store).
+of 7.3-7.6 s). On CUDA each leaf's branch holds an inline-asm mark that keeps it a branch
+(see ``_owner_values``): unmarked, the compilers turn the search into selects over every
+leaf's pointers, which every program runs. In interpret mode the primitives are discharged
+into the same semantics over arrays (one switch for the load, one conditional update per
+leaf for the store).
 
 The Triton rules build on Pallas's lowering helpers (``jax._src.pallas.triton.lowering``),
 which are not public; :data:`AVAILABLE` says whether this jax has them, and
@@ -38,12 +39,19 @@ try:
   from jax._src.lib.mlir import ir
   from jax._src.lib.mlir.dialects import arith as arith_dialect
   from jax._src.lib.mlir.dialects import scf as scf_dialect
+  from jax._src.lib.triton import dialect as tt_dialect
   from jax._src.pallas.triton import lowering as triton_lowering
-  AVAILABLE = all(hasattr(triton_lowering, name) for name in (
-    "register_lowering", "_load", "_store", "_add", "_bcast_to", "_ensure_ir_value",
-    "_ir_constant", "_sub", "_mul", "_make_range", "_set_attr"))
+  AVAILABLE = hasattr(tt_dialect, "elementwise_inline_asm") and all(
+    hasattr(triton_lowering, name) for name in (
+      "register_lowering", "_load", "_store", "_add", "_bcast_to", "_ensure_ir_value",
+      "_ir_constant", "_sub", "_mul", "_make_range", "_set_attr"))
 except ImportError:  # a jaxlib without the Triton bindings
   AVAILABLE = False
+
+#: Whether the Triton search marks each leaf's branch (see ``_owner_values``) so that it
+#: stays a branch; ``False`` lets the compilers flatten the search into selects, as before
+#: (``benchmarks/grouped_tiling.py``'s ``:select`` measures it beside the default).
+MARKED_BRANCHES = True
 
 load_p = jax_core.Primitive("optirs_leaf_load")
 load_p.multiple_results = True
@@ -204,20 +212,34 @@ def _store_discharge(pid, idx, mask, *rest, starts, n_ops):
 if AVAILABLE:
   tl = triton_lowering
 
-  def _owner_values(pid, starts, rows, types, lo, hi):
-    """``rows[k]()`` (scalars of ``types``) for the leaf ``k`` owning ``pid`` among
-    ``lo..hi - 1``: nested ``scf.if`` on the static offsets, log2(leaves) deep, each leaf's
-    row built in its own branch."""
+  def _owner_values(ctx, pid, starts, rows, types, lo=0, hi=None):
+    """``[start, *rows[k]]`` (``rows[k]``: scalars of ``types``) for the leaf ``k`` owning
+    ``pid`` among ``lo..hi - 1``, ``start`` its first program: nested ``scf.if`` on the
+    static offsets, log2(leaves) deep, each leaf's row in its own branch.
+
+    Branches that only pick values the compilers turn into selects, so every program
+    would load and select every leaf's pointers (on 108 leaves of 7 buffers, 680 constant
+    loads and 447 selects in the SASS of Triton 3.9 for sm_90, against 8 vector loads).
+    On CUDA each leaf's start therefore comes out of an inline-asm move with side effects,
+    its text unique to the leaf: a branch holding it cannot be speculated, nor merged
+    with its sibling, so a program runs log2(leaves) uniform branches and loads only its
+    own leaf's pointers (the same kernel: 7 compares and branches, 7 constant loads)."""
+    hi = len(rows) if hi is None else hi
     if hi - lo == 1:
-      return rows[lo]()
+      start = tl._ir_constant(starts[lo], pid.type)
+      if MARKED_BRANCHES and ctx.context.platform == "cuda":
+        start = tt_dialect.elementwise_inline_asm(
+          [pid.type], f"mov.b32 $0, {int(starts[lo])}; // leaf {lo}", constraints="=r,r",
+          pure=False, packed_element=1, args=[pid])
+      return [start, *rows[lo]()]
     mid = (lo + hi) // 2
     left = arith_dialect.cmpi(arith_dialect.CmpIPredicate.slt, pid,
                               tl._ir_constant(starts[mid], pid.type))
-    if_op = scf_dialect.IfOp(left, types, has_else=True)
+    if_op = scf_dialect.IfOp(left, [pid.type, *types], has_else=True)
     with ir.InsertionPoint.at_block_begin(if_op.then_block):
-      scf_dialect.yield_(_owner_values(pid, starts, rows, types, lo, mid))
+      scf_dialect.yield_(_owner_values(ctx, pid, starts, rows, types, lo, mid))
     with ir.InsertionPoint.at_block_begin(if_op.else_block):
-      scf_dialect.yield_(_owner_values(pid, starts, rows, types, mid, hi))
+      scf_dialect.yield_(_owner_values(ctx, pid, starts, rows, types, mid, hi))
     return list(if_op.results_)
 
   def _aligned(pointers):
@@ -233,12 +255,11 @@ if AVAILABLE:
     i32 = pid.type
 
     def leaf(k):
-      return lambda: [tl._ir_constant(starts[k], i32), tl._ir_constant(sizes[k], i32),
-                      *rows[k]]
+      return lambda: [tl._ir_constant(sizes[k], i32), *rows[k]]
 
-    types = [i32, i32, *(p.type for p in rows[0])]
-    start, size, *pointers = _owner_values(pid, starts, [leaf(k) for k in range(len(rows))],
-                                           types, 0, len(rows))
+    types = [i32, *(p.type for p in rows[0])]
+    start, size, *pointers = _owner_values(ctx, pid, starts,
+                                           [leaf(k) for k in range(len(rows))], types)
     local = tl._sub(pid, start)
     first = tl._mul(local, tl._ir_constant(block, i32))  # the block's first element
     left = tl._sub(size, first)
@@ -258,8 +279,9 @@ if AVAILABLE:
     values, rows = _rows(rest, n_ops)
     shape = ctx.avals_in[1].shape
     mask = tl._bcast_to(tl._ensure_ir_value(mask, ctx.avals_in[2]), shape)
-    pointers = _owner_values(pid, starts, [(lambda k=k: list(rows[k])) for k in range(len(rows))],
-                             [p.type for p in rows[0]], 0, len(rows))
+    _, *pointers = _owner_values(ctx, pid, starts,
+                                 [(lambda k=k: list(rows[k])) for k in range(len(rows))],
+                                 [p.type for p in rows[0]])
     for p, v in zip(pointers, values):
       tl._store(tl._add(_aligned(tl._bcast_to(p, shape)), idx), v, mask=mask)
     return []
