@@ -33,6 +33,9 @@ if has env; then
   { date -u; nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
     python3 -c "import jax, jaxlib, optax, chex, flax, torch; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, 'optax', optax.__version__, 'chex', chex.__version__, 'flax', flax.__version__, 'torch', torch.__version__); print(jax.devices())"
   } 2>&1 | tee "$OUT/env.txt"
+  # The device's own description, for tests/test_cuda_compile.py's compile-only H200.
+  python3 -c "import jax; from jax._src.lib import xla_client as xc; print(xc.get_topology_for_devices(jax.devices()).target_config)" \
+    > "$OUT/target_config.pbtxt" 2>&1
 fi
 if has gemm; then
   timeout 120 python3 benchmarks/gemm_tflops.py 2>&1 | tee -a "$OUT/extras.txt"

@@ -285,7 +285,11 @@ def _in_process(platform: str) -> bool:
 
 def _platform_of(mesh) -> str | None:
   device = getattr(mesh, "abstract_device", None)
-  return getattr(device, "platform", None)
+  platform = getattr(device, "platform", None)
+  if platform == "gpu":  # a compile-only GPU topology names no vendor; its kind does
+    kind = getattr(device, "device_kind", None) or ""
+    return "cuda" if kind.startswith("NVIDIA") else None
+  return platform
 
 
 def lowering_targets(leaves: Sequence[Leaf] = ()) -> frozenset[str]:
@@ -297,7 +301,10 @@ def lowering_targets(leaves: Sequence[Leaf] = ()) -> frozenset[str]:
 
   A ``SingleDeviceSharding`` carries no mesh into the trace: to compile for a device this
   process cannot run on, shard the inputs with a ``NamedSharding`` (a one-device mesh will
-  do) or trace under ``jax.sharding.use_abstract_mesh``."""
+  do) or trace under ``jax.sharding.use_abstract_mesh``. A compile-only GPU topology
+  (``jax.experimental.topologies.get_topology_desc(platform="cuda", target_config=...)``)
+  calls its platform ``"gpu"``: an NVIDIA device kind makes it ``"cuda"``. (Pallas's
+  Triton lowering then also needs the abstract mesh of that device as the context.)"""
   targets = {p for p in ("cuda", "tpu") if _in_process(p)}
   meshes = [jax.sharding.get_abstract_mesh()]
   for leaf in leaves[:1]:  # the leaves of one step share a mesh
