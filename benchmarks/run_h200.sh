@@ -14,8 +14,8 @@
 # package folder of $FIRST_CALL_PATHS, e.g. ". old" with an older checkout's optirs_jax in
 # old/: alternating, so the machine's drift falls on each alike), compileprof
 # (benchmarks/compile_profile.py, one process per "tree:optimizer:impl" of $COMPILE_PROFILES),
-# sass (benchmarks/triton_sass.py $SASS_ARGS with the image's triton, then XLA's own PTX of
-# the 2000-leaf Adam step: selects, branches and leaf marks counted), tests (the
+# sass (benchmarks/xla_sass.py $SASS_ARGS: the SASS XLA compiles the fused apply into),
+# tests (the
 # whole suite with the GPU visible, WORKERS pytest-xdist workers), bench (python -m
 # optirs_jax.bench $BENCH_ARGS).
 set -uo pipefail
@@ -58,15 +58,8 @@ if has policy; then
   bash benchmarks/policy_variants.sh 2>&1 | tee -a "$OUT/extras.txt"
 fi
 if has sass; then
-  timeout ${SASS_TIMEOUT:-300} python3 benchmarks/triton_sass.py ${SASS_ARGS:-} 2>&1 \
+  timeout ${SASS_TIMEOUT:-300} python3 benchmarks/xla_sass.py ${SASS_ARGS:-} 2>&1 \
     | tee -a "$OUT/sass.txt"
-  rm -rf /tmp/xla_dump
-  XLA_FLAGS="--xla_dump_to=/tmp/xla_dump" timeout 300 python3 benchmarks/first_call.py \
-    leaves adam optirs-apply > /dev/null 2>&1
-  for f in /tmp/xla_dump/*.ptx; do
-    [[ -e $f ]] && echo "$(basename "$f"): selp.b64 $(grep -c 'selp.b64' "$f"), bra" \
-      "$(grep -c 'bra' "$f"), leaf marks $(grep -c '// leaf' "$f")"
-  done 2>&1 | tee -a "$OUT/sass.txt"
 fi
 if has grouped; then
   timeout ${GROUPED_TIMEOUT:-200} python3 benchmarks/grouped_tiling.py ${GROUPED_ARGS:-} 2>&1 \

@@ -9,14 +9,6 @@ os.environ.setdefault("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
   os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=4"
 
-import importlib.util
-
-# With libtpu installed (.ci/run installs it for the compile-only TPU tests) every jax start
-# looks for a TPU; the tests run on the CPU and reach the TPU compiler through topologies.
-if importlib.util.find_spec("libtpu") is not None:
-  os.environ.setdefault("JAX_PLATFORMS", "cpu")
-  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-
 import jax
 import pytest
 

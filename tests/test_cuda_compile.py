@@ -18,39 +18,10 @@ import pytest
 
 import optirs_jax
 from optirs_jax import mixed_precision as mp
+from optirs_jax.bench import compile_only
 from optirs_jax.pallas import dispatch
 from tests import cases
 from tests.test_lowering import KWARGS, OPTIMIZERS, TRITON
-
-# An H200's description as XLA's GpuTargetConfig (sm_90: 132 SMs, 228 KiB of shared memory
-# per SM, 50 MiB of L2, 141 GB of HBM3e at 4.8 TB/s). What a compile reads from it is
-# mostly the compute capability and the per-block limits.
-H200 = """
-gpu_device_info {
-  threads_per_block_limit: 1024
-  threads_per_warp: 32
-  shared_memory_per_block: 49152
-  shared_memory_per_core: 233472
-  threads_per_core_limit: 2048
-  core_count: 132
-  fpus_per_core: 128
-  block_dim_limit_x: 2147483647
-  block_dim_limit_y: 65535
-  block_dim_limit_z: 65535
-  memory_bandwidth: 4800000000000
-  l2_cache_size: 52428800
-  clock_rate_ghz: 1.98
-  device_memory_size: 150754820096
-  shared_memory_per_block_optin: 232448
-  cuda_compute_capability { major: 9 }
-  registers_per_core_limit: 65536
-  registers_per_block_limit: 65536
-}
-platform_name: "CUDA"
-dnn_version_info { major: 9 minor: 10 }
-runtime_version { major: 13 minor: 0 }
-device_description_str: "NVIDIA H200"
-"""
 
 
 def _ptxas() -> str | None:
@@ -68,28 +39,13 @@ def h200():
     pytest.skip("no ptxas (the CUDA toolkit) on this machine for XLA's CUDA compile")
   if any(d.platform == "gpu" for d in jax.devices()):
     pytest.skip("a GPU is present: the GPU tests compile for it")
-  from jax.experimental import topologies
-  topology = topologies.get_topology_desc(platform="cuda", target_config=H200,
-                                          topology="1x1x1")
-  device = topology.devices[0]
-  mesh = topologies.make_mesh(topo=topology, mesh_shape=(1,), axis_names=("x",))
-  abstract = jax.sharding.AbstractMesh(
-    (1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,),
-    abstract_device=jax.sharding.AbstractDevice(device_kind=device.device_kind,
-                                                num_cores=132, platform="gpu"))
-  return mesh, abstract
+  return compile_only.h200_meshes()
 
 
-def _compile(h200, step, *args):
+def _compile(step, *args):
   """The optimized HLO text of ``jit(step)`` compiled for the H200 (donating the first two
   arguments, as a training step does)."""
-  mesh, abstract = h200
-  sharding = jax.sharding.NamedSharding(mesh, jax.P())
-  shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
-                        args)
-  with jax.sharding.use_abstract_mesh(abstract):
-    lowered = jax.jit(step, donate_argnums=(0, 1)).lower(*shapes)
-  return lowered.compile().as_text()
+  return compile_only.compile_for_h200(step, *args).as_text()
 
 
 def test_a_compile_only_gpu_topology_traces_the_cuda_kernels(h200):
@@ -105,7 +61,7 @@ def test_fused_apply_compiles_through_xla_for_an_h200(h200, name, standard_promo
   opt = getattr(optirs_jax, name)(optax.cosine_decay_schedule(1e-3, 100),
                                   **KWARGS.get(name, {}))
   params = cases.ragged_tree(0)
-  text = _compile(h200, lambda p, s, g: optirs_jax.apply(opt, g, s, p), params,
+  text = _compile(lambda p, s, g: optirs_jax.apply(opt, g, s, p), params,
                   opt.init(params), params)
   assert TRITON in text
 
@@ -118,7 +74,7 @@ def test_optax_contract_path_compiles_through_xla_for_an_h200(h200):
     u, s = opt.update(g, s, p)
     return optax.apply_updates(p, u), s
 
-  assert TRITON in _compile(h200, step, params, opt.init(params), params)
+  assert TRITON in _compile(step, params, opt.init(params), params)
 
 
 def test_many_leaves_compile_in_several_leaf_table_launches(h200):
@@ -126,7 +82,7 @@ def test_many_leaves_compile_in_several_leaf_table_launches(h200):
   # branch marked with its own inline asm, through XLA's Triton and ptxas.
   opt = optirs_jax.adam(1e-3)
   params = {f"w{i:03d}": jnp.zeros((700 + i,)) for i in range(300)}
-  text = _compile(h200, lambda p, s, g: optirs_jax.apply(opt, g, s, p), params,
+  text = _compile(lambda p, s, g: optirs_jax.apply(opt, g, s, p), params,
                   opt.init(params), params)
   assert text.count(f'custom_call_target="{TRITON}"') == 6
 
@@ -135,6 +91,6 @@ def test_master_weights_with_loss_scaling_compile_through_xla_for_an_h200(
     h200, standard_promotion):
   tx = mp.with_loss_scaling(mp.master_weights(optirs_jax.adamw(1e-3)))
   params = {f"w{i}": jnp.ones((i % 5 + 1, 130 + i), jnp.bfloat16) for i in range(30)}
-  text = _compile(h200, lambda p, s, g: optirs_jax.apply(tx, g, s, p), params,
+  text = _compile(lambda p, s, g: optirs_jax.apply(tx, g, s, p), params,
                   tx.init(params), params)
   assert text.count(f'custom_call_target="{TRITON}"') == 3
