@@ -48,12 +48,21 @@ def _compile(step, *args):
   return compile_only.compile_for_h200(step, *args).as_text()
 
 
-def test_a_compile_only_gpu_topology_traces_the_cuda_kernels(h200):
+def test_a_gpu_topology_of_an_nvidia_kind_traces_the_cuda_kernels():
+  # A compile-only GPU topology's devices call their platform "gpu"; the kind tells CUDA.
+  def mesh(kind):
+    return jax.sharding.AbstractMesh((), (), abstract_device=jax.sharding.AbstractDevice(
+      device_kind=kind, num_cores=None, platform="gpu"))
+
+  assert dispatch._platform_of(mesh("NVIDIA H200")) == "cuda"
+  assert dispatch._platform_of(mesh("AMD Instinct MI300X")) is None
+  with jax.sharding.use_abstract_mesh(mesh("NVIDIA H200")):
+    assert "cuda" in dispatch.lowering_targets()
+
+
+def test_the_compile_only_h200_is_an_nvidia_gpu(h200):
   _, abstract = h200
   assert dispatch._platform_of(abstract) == "cuda"
-  amd = jax.sharding.AbstractMesh((), (), abstract_device=jax.sharding.AbstractDevice(
-    device_kind="AMD Instinct MI300X", num_cores=None, platform="gpu"))
-  assert dispatch._platform_of(amd) is None
 
 
 @pytest.mark.parametrize("name", OPTIMIZERS)
