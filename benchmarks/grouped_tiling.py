@@ -9,21 +9,14 @@ launch).
   python3 benchmarks/grouped_tiling.py [rows,...] [warps,...] [tree,...] [plan,...] \
       [case,...]
 
-``plan``: ``MAX[/SPLIT[/BLOCKS]][:greedy][:branch]``, the buffers a launch holds at most, and those
-and the blocks after which it closes (``plan_grouped_calls``'s ``max_pointers``,
-``split_pointers`` and ``split_blocks``; SPLIT defaults to MAX, BLOCKS to the planner's
-default), and ``:greedy`` to cut without following repeated runs of leaves
-(``repeat=False``), ``:branch`` for one branch per leaf around its loads and stores
-instead of the leaf table (``grouped.POINTER_SELECT = False``), and ``:select`` for the
-leaf table's search without its per-leaf marks, which the compilers flatten into selects
-over every leaf's pointers (``leaf_table.MARKED_BRANCHES = False``). ``case``: names of
+``plan``: a launch-plan spec of :mod:`optirs_jax.bench.variants`
+(``MAX[/SPLIT[/BLOCKS]][:greedy][:branch][:select]``). ``case``: names of
 ``optirs_jax.bench.cases.OPTIMIZERS`` (e.g. ``adamw_bf16_master``).
 
 Buffers per launch beyond 384 (8-byte pointers in a 4 KB parameter space) need CUDA's
 32 KB kernel parameters (CUDA 12.1, Volta or newer); a variant that fails prints why.
 """
 
-import functools
 import math
 import sys
 
@@ -39,8 +32,7 @@ from optirs_jax.bench.cases import (
   tree_shapes,
 )
 from optirs_jax.bench.timing import copy_bandwidth, first_call_parts, kernel_seconds_per_step
-from optirs_jax.pallas import dispatch, grouped, leaf_table
-from optirs_jax.planning.layout import SPLIT_BLOCKS, plan_grouped_calls
+from optirs_jax.bench.variants import PlanVariant, plan_variant
 
 ROWS = [int(v) for v in (sys.argv[1] if len(sys.argv) > 1 else "8,16,32,64").split(",")]
 WARPS = [int(v) for v in (sys.argv[2] if len(sys.argv) > 2 else "4,8").split(",")]
@@ -59,44 +51,28 @@ def main():
     n = param_count(shapes)
     grads = make_grads(shapes, opt)
     for spec, rows, warps in [(a, b, c) for a in PLANS for b in ROWS for c in WARPS]:
-      bounds, *flags = spec.split(":")
-      unknown = set(flags) - {"greedy", "branch", "select"}
-      if unknown:
-        raise SystemExit(f"unknown plan flags {sorted(unknown)} in {spec!r}; valid: greedy, "
-                         "branch, select")
-      pointers, split, blocks = (bounds.split("/") + [None, None])[:3]
-      plan = functools.partial(plan_grouped_calls, max_pointers=int(pointers),
-                               split_pointers=int(split or pointers),
-                               split_blocks=int(blocks or SPLIT_BLOCKS),
-                               repeat="greedy" not in flags)
-      dispatch.plan_grouped_calls = plan
-      grouped.POINTER_SELECT = "branch" not in flags
-      leaf_table.MARKED_BRANCHES = "select" not in flags
-      grouped._launch.cache_clear()  # each variant traces its launches anew
-      jax.clear_caches()
+      PlanVariant.parse(spec)  # a bad spec stops the run before any compile
       tiling = optirs_jax.Tiling(block_rows=rows, num_warps=warps, flat=True)
-      tx, fn = jax_step("optirs-apply", opt, optirs_jax.ExecutorOptions(grouped_tiling=tiling))
-      # The gradients are an argument, not a constant of the program (a closed-over tree
-      # would be compiled into it).
-      step = jax.jit(fn, donate_argnums=(0, 1))
       label = f"{name} {tree:8s} block {rows * 128:6d} warps {warps} plan {spec:>14s}"
-      try:
-        params = make_tree(shapes, 0, opt.dtype)
-        state = tx.init(params)
-        # Adam's fused apply reads g, p, mu, nu and writes p, mu, nu: 7 buffers a leaf
-        # (the first pass's launches; other cases are not counted).
-        calls = plan([math.prod(shapes[k]) for k in sorted(shapes)],
-                     block_elems=tiling.block_elems, operands_per_leaf=7)
-        jax.block_until_ready((params, state))
-        state, parts = first_call_parts(step, params, state, grads)
-        t, state = kernel_seconds_per_step(lambda st, step=step: step(*st, grads), state, 10)
-      except Exception as e:  # a variant the toolchain rejects is a result
-        print(f"{label}: failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
-        continue
-      finally:
-        dispatch.plan_grouped_calls = plan_grouped_calls
-        grouped.POINTER_SELECT = True
-        leaf_table.MARKED_BRANCHES = True
+      with plan_variant(spec) as variant:
+        options = variant.options(optirs_jax.ExecutorOptions(grouped_tiling=tiling))
+        tx, fn = jax_step("optirs-apply", opt, options)
+        # The gradients are an argument, not a constant of the program (a closed-over tree
+        # would be compiled into it).
+        step = jax.jit(fn, donate_argnums=(0, 1))
+        try:
+          params = make_tree(shapes, 0, opt.dtype)
+          state = tx.init(params)
+          # Adam's fused apply reads g, p, mu, nu and writes p, mu, nu: 7 buffers a leaf
+          # (the first pass's launches; other cases are not counted).
+          calls = variant.plan([math.prod(shapes[k]) for k in sorted(shapes)],
+                               block_elems=tiling.block_elems, operands_per_leaf=7)
+          jax.block_until_ready((params, state))
+          state, parts = first_call_parts(step, params, state, grads)
+          t, state = kernel_seconds_per_step(lambda st, step=step: step(*st, grads), state, 10)
+        except Exception as e:  # a variant the toolchain rejects is a result
+          print(f"{label}: failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+          continue
       first = (f"first call {sum(parts):5.1f} s (trace {parts[0]:.2f}, lower {parts[1]:.2f}, "
                f"compile {parts[2]:.2f})")
       count = (f"{len(calls)} launches ({len({c.sizes for c in calls})} distinct), "

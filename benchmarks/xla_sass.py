@@ -6,7 +6,9 @@ beside the lowering's and the compile's seconds.
 
   PYTHONPATH=. python benchmarks/xla_sass.py [tree] [plan,...] [case]
 
-Arguments as in ``benchmarks/triton_sass.py`` (``plan``: ``MAX[/SPLIT][:select|:branch]``).
+``tree``: a bench tree (``leaves``: 2000 x 16K, ``gpt2``); ``plan``: a launch-plan spec of
+:mod:`optirs_jax.bench.variants` (``MAX[/SPLIT[/BLOCKS]][:greedy][:branch][:select]``);
+``case``: a name of ``optirs_jax.bench.cases.OPTIMIZERS``.
 Needs ``jax-cuda13-plugin`` and ``jax-cuda13-pjrt`` at jax's version, the CUDA toolkit's
 ptxas, and a ``cuobjdump`` (the toolkit's, or the one in the ``triton`` package).
 
@@ -18,7 +20,6 @@ launch's leaves, each program selects among every leaf's pointers.
 """
 
 import collections
-import functools
 import os
 import re
 import shutil
@@ -32,8 +33,7 @@ from jax.experimental.serialize_executable import serialize
 
 from optirs_jax.bench.cases import OPTIMIZERS, jax_step, tree_shapes
 from optirs_jax.bench.compile_only import lower_for_h200
-from optirs_jax.pallas import dispatch, grouped, leaf_table
-from optirs_jax.planning.layout import plan_grouped_calls
+from optirs_jax.bench.variants import PlanVariant, plan_variant
 
 COUNTED = ("SEL", "LDC", "ULDC", "BRA", "ISETP", "LDG", "STG")
 RIEGELI = b"\x83\xafp\xd1\r\x88J?"  # the hash of a riegeli file's first block header
@@ -146,28 +146,16 @@ def main():
         "compile-only H200 (sm_90); per kernel: launches, instructions, "
         + ", ".join(COUNTED), flush=True)
   for spec in plans:
-    bound, *flags = spec.split(":")
-    if set(flags) - {"select", "branch"}:
-      raise SystemExit(f"unknown plan flags {flags} in {spec!r}; valid: select, branch")
-    pointers, split = (bound.split("/") + [None])[:2]
-    dispatch.plan_grouped_calls = functools.partial(
-      plan_grouped_calls, max_pointers=int(pointers), split_pointers=int(split or pointers))
-    leaf_table.MARKED_BRANCHES = "select" not in flags
-    grouped.POINTER_SELECT = "branch" not in flags
-    grouped._launch.cache_clear()
-    jax.clear_caches()
-    try:
-      tx, fn = jax_step("optirs-apply", opt)
+    PlanVariant.parse(spec)  # a bad spec stops the run before any compile
+  for spec in plans:
+    with plan_variant(spec) as variant:
+      tx, fn = jax_step("optirs-apply", opt, variant.options())
       state = jax.eval_shape(tx.init, params)
       t0 = time.perf_counter()
       lowered = lower_for_h200(fn, params, state, params)
       t1 = time.perf_counter()
       compiled = lowered.compile()
       t2 = time.perf_counter()
-    finally:
-      dispatch.plan_grouped_calls = plan_grouped_calls
-      leaf_table.MARKED_BRANCHES = True
-      grouped.POINTER_SELECT = True
     kernels = collections.Counter()
     for cubin in cubins(compiled):
       for kernel, ops in sass_counts(cubin, tool).items():

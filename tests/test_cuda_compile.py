@@ -87,13 +87,14 @@ def test_optax_contract_path_compiles_through_xla_for_an_h200(h200):
 
 
 def test_many_leaves_compile_in_several_leaf_table_launches(h200):
-  # 300 leaves of Adam's 7 buffers: six launches of the leaf table's search, each leaf's
-  # branch marked with its own inline asm, through XLA's Triton and ptxas.
+  # 300 leaves of Adam's 7 buffers: two launches (216 leaves, 12 KB of pointers: CUDA's
+  # 32 KB kernel parameters, and 84) of the leaf table's search, each leaf's branch marked
+  # with its own inline asm, through XLA's Triton and ptxas.
   opt = optirs_jax.adam(1e-3)
   params = {f"w{i:03d}": jnp.zeros((700 + i,)) for i in range(300)}
   text = _compile(lambda p, s, g: optirs_jax.apply(opt, g, s, p), params,
                   opt.init(params), params)
-  assert text.count(f'custom_call_target="{TRITON}"') == 6
+  assert text.count(f'custom_call_target="{TRITON}"') == 2
 
 
 def test_master_weights_with_loss_scaling_compile_through_xla_for_an_h200(

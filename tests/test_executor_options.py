@@ -15,6 +15,8 @@ from tests.test_lowering import cuda_triton_calls
     ({"updates_on_reference": 1}, TypeError, "updates_on_reference=1 must be a bool"),
     ({"cuda_tiling": (8, 128)}, TypeError, r"cuda_tiling=\(8, 128\) must be a Tiling"),
     ({"grouped_tiling": Tiling(8)}, ValueError, "must have flat=True"),
+    ({"grouped_max_buffers": 0}, ValueError, "grouped_max_buffers=0 must be an int from 1 to 4000"),
+    ({"grouped_max_buffers": 5000}, ValueError, r"5000 must be an int from 1 to 4000 \(32 KB"),
 ])
 def test_bad_options_are_rejected_when_made(kwargs, error, match):
   with pytest.raises(error, match=match):
@@ -65,3 +67,15 @@ def test_packed_and_in_place_geometries_match_reference(geometry, name):
   params = cases.ragged_tree(0) | {"ragged_big": jax.random.normal(jax.random.PRNGKey(9),
                                                                    (64 * 33 + 1, 128))}
   cases.pallas_matches_jnp(name, params, options)
+
+
+def test_launches_keep_to_4kb_of_kernel_parameters_before_volta(monkeypatch):
+  # CUDA's 32 KB kernel parameters need Volta (7.0) or newer: an older GPU in the process
+  # keeps each grouped launch to the 384 buffers of 4 KB, whatever the option says.
+  from optirs_jax.pallas import dispatch
+  options = optirs_jax.ExecutorOptions(grouped_max_buffers=2800)
+  monkeypatch.setattr(dispatch, "_oldest_cuda_capability", lambda: 9.0)
+  assert dispatch._launch_buffers(options, "cuda") == 2800
+  monkeypatch.setattr(dispatch, "_oldest_cuda_capability", lambda: 6.1)
+  assert dispatch._launch_buffers(options, "cuda") == 384
+  assert dispatch._launch_buffers(options, "interpret") == 2800

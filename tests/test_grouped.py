@@ -67,11 +67,16 @@ def test_segment_totals_add_each_leafs_blocks_of_every_launch():
     segment_totals([sums[0], sums[1][:1]], calls, platform="interpret")
 
 
+# Launches of at most 384 buffers (the 4 KB kernel parameters of every CUDA version): several
+# launches of a few dozen leaves.
+SMALL_LAUNCHES = optirs_jax.ExecutorOptions(grouped_max_buffers=MAX_POINTERS_PER_CALL)
+
+
 def test_lamb_holds_no_reduction_or_scatter_on_the_gpu():
   # LAMB's fused apply on 60 leaves: the first pass, the per-leaf totals of its norms and
   # the second pass are grouped launches; no XLA reduction per leaf, no scatter.
   params = {f"w{i:02d}": jnp.zeros((i % 7 + 1, 1000 + i)) for i in range(60)}
-  opt = optirs_jax.lamb(1e-3, weight_decay=0.01)
+  opt = optirs_jax.lamb(1e-3, weight_decay=0.01, executor_options=SMALL_LAUNCHES)
   shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
                         (params, opt.init(params), params))
   with abstract_target("NVIDIA H200", "cuda"):
@@ -80,7 +85,8 @@ def test_lamb_holds_no_reduction_or_scatter_on_the_gpu():
         platforms=["cuda"],
         disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON)])(*shapes)
   text = exp.mlir_module()
-  # 60 leaves x 7 buffers is two first-pass launches, then one launch of totals for both;
+  # 60 leaves x 7 buffers in launches of at most 384 buffers is two first-pass launches,
+  # then one launch of totals for both;
   # the second pass reads and writes 3 buffers a leaf: one launch.
   assert text.count(TRITON) == 4
   assert "stablehlo.reduce" not in text and "stablehlo.scatter" not in text
@@ -249,7 +255,7 @@ def test_leaves_of_different_dtypes_share_a_launch(name):
 
 def test_one_launch_per_pointer_budget_and_state_in_place():
   # Adam's fused apply reads g, p, mu, nu and writes p, mu, nu: 7 buffers a leaf.
-  per_call = MAX_POINTERS_PER_CALL // 7
+  per_call = optirs_jax.ExecutorOptions().grouped_max_buffers // 7
   params = {f"w{i:03d}": jnp.full((i % 9 + 1, 130), 0.1) for i in range(per_call + 5)}
   opt = optirs_jax.adam(1e-3)
 
@@ -276,7 +282,8 @@ def _scaled(h, x, *, compute_dtype=None):
 def test_per_leaf_scalars_reach_their_leaves():
   # An op reading two per-leaf scalars: y = x * s_i + t_i, leaf by leaf, against numpy.
   # A complex leaf in the middle runs on the reference, so the grouped launch's leaves
-  # are not a contiguous run of the rows; 200 leaves of 2 buffers span two launches.
+  # are not a contiguous run of the rows; 200 leaves of 2 buffers span two launches of at
+  # most 384 buffers.
   from optirs_jax.pallas.dispatch import execute
   from optirs_jax.pallas.op import ElementwiseOp
   op = ElementwiseOp(_scaled, ("t0",), (0.0,), name="scaled", leaf_hyper=("s", "t"))
@@ -288,7 +295,8 @@ def test_per_leaf_scalars_reach_their_leaves():
   as_rows = lambda v: [(v[i, 0], v[i, 1]) for i in range(len(v))]
   for backend, form in itertools.product(("jnp", "pallas"), (lambda v: v, as_rows)):
     outs, norms = jax.jit(lambda xs, v, backend=backend, form=form: execute(
-        op, {"t0": 0.0}, [(x,) for x in xs], backend=backend, leaf_values=form(v)))(
+        op, {"t0": 0.0}, [(x,) for x in xs], backend=backend, leaf_values=form(v),
+        options=SMALL_LAUNCHES))(
         [jnp.asarray(x) for x in xs], jnp.asarray(values))
     assert norms is None
     for x, (s, t), (y,) in zip(xs, values, outs):
@@ -315,12 +323,13 @@ def test_per_leaf_scalars_of_the_wrong_shape_are_an_error():
 
 
 def test_repeated_launches_are_traced_and_compiled_once():
-  # 200 equal leaves: LAMB's first pass is 4 launches (at most 54 leaves of 7 buffers
+  # 200 equal leaves, launches of at most 384 buffers: LAMB's first pass is 4 launches (at
+  # most 54 leaves of 7 buffers
   # each: 50 each), its totals one, its second pass 2 (at most 128 leaves of 3 buffers: 100
   # each); equal plans share one jitted launch, so the module holds one Triton program per
   # distinct plan (one for each pass, and the totals): 3, not 7.
   params = {f"w{i:03d}": jax.ShapeDtypeStruct((4096,), jnp.float32) for i in range(200)}
-  opt = optirs_jax.lamb(1e-3)
+  opt = optirs_jax.lamb(1e-3, executor_options=SMALL_LAUNCHES)
   shapes = (params, jax.eval_shape(opt.init, params), params)
   with abstract_target("NVIDIA H200", "cuda"):
     exp = jax.export.export(

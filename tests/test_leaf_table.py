@@ -21,30 +21,32 @@ from tests.test_lowering import TRITON, abstract_target
 PAD_A, PAD_B = -3.0, 7.0
 
 
-def _body(*refs, starts, sizes, block):
+def _body(*refs, starts, sizes, block, shared):
   """Per leaf inputs a, b and output y = a * b + 1; per program its owner's block index,
-  the elements left, and the sum of the loaded a (pad lanes included)."""
+  the elements left, and the sum of the loaded a (pad lanes included). ``shared``: the
+  store takes the owner the load's search found (one search) instead of searching again."""
   n = len(sizes)
   ins, outs = refs[:2 * n], refs[2 * n:3 * n]
   local_ref, left_ref, sum_ref = refs[3 * n:]
   pid = pl.program_id(0)
-  local, left, (a, b) = leaf_table.load(pid, starts, sizes, block,
-                                        [ins[2 * k:2 * k + 2] for k in range(n)],
-                                        [PAD_A, PAD_B])
+  out_rows = [outs[k:k + 1] for k in range(n)]
+  local, left, (a, b), *owner = leaf_table.load(pid, starts, sizes, block,
+                                                [ins[2 * k:2 * k + 2] for k in range(n)],
+                                                [PAD_A, PAD_B], outs=out_rows if shared else None)
   lane = jnp.arange(block, dtype=jnp.int32)
-  leaf_table.store(pid, starts, [outs[k:k + 1] for k in range(n)], local * block + lane,
-                   lane < left, [a * b + 1.0])
+  leaf_table.store(pid, starts, out_rows, local * block + lane, lane < left, [a * b + 1.0],
+                   owner=owner[0] if shared else None)
   local_ref[...] = local[None]
   left_ref[...] = left[None]
   sum_ref[...] = jnp.sum(a)[None]
 
 
-def _call(sizes, block, platform, debug=False):
+def _call(sizes, block, platform, debug=False, shared=False):
   starts = np.concatenate([[0], np.cumsum([-(-s // block) for s in sizes])]).tolist()
   grid = starts[-1]
   per_program = pl.BlockSpec((1,), lambda i: (i,))
   return pl.pallas_call(
-    functools.partial(_body, starts=starts, sizes=sizes, block=block),
+    functools.partial(_body, starts=starts, sizes=sizes, block=block, shared=shared),
     out_shape=[jax.ShapeDtypeStruct((s,), jnp.float32) for s in sizes]
     + [jax.ShapeDtypeStruct((grid,), jnp.int32)] * 2 + [jax.ShapeDtypeStruct((grid,), jnp.float32)],
     grid=(grid,),
@@ -58,12 +60,12 @@ def _call(sizes, block, platform, debug=False):
 
 @settings(max_examples=12, deadline=None)
 @given(sizes=st.lists(st.integers(1, 40), min_size=1, max_size=6),
-       block=st.sampled_from([4, 8, 16]), seed=st.integers(0, 2**16))
-def test_each_program_reads_and_writes_its_own_leafs_block(sizes, block, seed):
+       block=st.sampled_from([4, 8, 16]), seed=st.integers(0, 2**16), shared=st.booleans())
+def test_each_program_reads_and_writes_its_own_leafs_block(sizes, block, seed, shared):
   rng = np.random.default_rng(seed)
   a = [rng.standard_normal(s).astype(np.float32) for s in sizes]
   b = [rng.standard_normal(s).astype(np.float32) for s in sizes]
-  call, starts = _call(sizes, block, "interpret")
+  call, starts = _call(sizes, block, "interpret", shared=shared)
   *ys, local, left, sums = jax.jit(call)(*[x for pair in zip(a, b) for x in pair])
   for y, x, z in zip(ys, a, b):
     np.testing.assert_allclose(np.asarray(y), x * z + 1, rtol=1e-6, atol=1e-6)  # fma or not
@@ -116,12 +118,15 @@ def test_arguments_are_checked():
 
 @pytest.mark.skipif(not leaf_table.AVAILABLE, reason="this jax's Triton lowering lacks what "
                     "the leaf table builds on; grouped launches branch per leaf instead")
-def test_lowers_to_triton_with_one_unmergeable_branch_per_leaf(capsys):
+@pytest.mark.parametrize("shared", [False, True])
+def test_lowers_to_triton_with_one_unmergeable_branch_per_leaf(capsys, shared):
   # The search's leaves each hold a side-effecting inline-asm move of the leaf's start,
-  # its text unique to the leaf (the load's search and the store's), so the compilers keep
-  # the branches instead of selecting among every leaf's pointers.
+  # its text unique to the leaf, so the compilers keep the branches instead of selecting
+  # among every leaf's pointers. Two searches (the load's, the store's), or one where the
+  # store takes the load's owner.
   sizes = [5, 9, 3, 12, 1]
-  call, starts = _call(sizes, 4, "cuda", debug=True)
+  call, starts = _call(sizes, 4, "cuda", debug=True, shared=shared)
+  searches = 1 if shared else 2
   args = [jax.ShapeDtypeStruct((s,), jnp.float32) for s in sizes for _ in range(2)]
   with abstract_target("NVIDIA H200", "cuda"):
     text = jax.jit(call).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
@@ -129,6 +134,8 @@ def test_lowers_to_triton_with_one_unmergeable_branch_per_leaf(capsys):
   module = capsys.readouterr().out.split("The Triton module for pallas_call")[-1]
   asm = re.findall(r'tt.elementwise_inline_asm "([^"]*)" \{([^}]*)\}', module)
   want = [f"mov.b32 $0, {starts[k]}; // leaf {k}" for k in range(len(sizes))]
-  assert sorted(a for a, _ in asm) == sorted(want * 2)  # the load's search, the store's
+  assert sorted(a for a, _ in asm) == sorted(want * searches)
   assert all("pure = false" in attrs for _, attrs in asm)
-  assert module.count("scf.if") == 2 * (len(sizes) - 1)
+  assert module.count("scf.if") == searches * (len(sizes) - 1)
+  # Each leaf's output pointer is stored through once, whichever search found it.
+  assert module.count("tt.store") == 1 + 3  # y; local, left and the sum per program

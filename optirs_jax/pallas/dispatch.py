@@ -39,7 +39,12 @@ from optirs_jax.pallas.op import (
 )
 from optirs_jax.pallas.options import DEFAULT_OPTIONS, ExecutorOptions
 from optirs_jax.pallas.packed import run_packed
-from optirs_jax.planning.layout import MAX_GROUPED_LEAF_ELEMENTS, plan_grouped_calls, runs_in_place
+from optirs_jax.planning.layout import (
+  MAX_GROUPED_LEAF_ELEMENTS,
+  MAX_POINTERS_PER_CALL,
+  plan_grouped_calls,
+  runs_in_place,
+)
 
 Leaf = tuple  # one leaf's arrays, in the rule's argument order
 
@@ -198,7 +203,8 @@ def _local_kernels(op: ElementwiseOp, platform: str, options: ExecutorOptions, h
     tiling = options.grouped_tiling
     n_ops = len(leaves[g_idx[0]]) + len(out_dtypes[g_idx[0]])
     calls = plan_grouped_calls([leaves[i][0].size for i in g_idx],
-                               block_elems=tiling.block_elems, operands_per_leaf=n_ops)
+                               block_elems=tiling.block_elems, operands_per_leaf=n_ops,
+                               max_pointers=_launch_buffers(options, platform))
     call_partials = []
     for call in calls:
       members = [g_idx[k] for k in call.leaves]
@@ -273,6 +279,26 @@ def _kernels(op: ElementwiseOp, h: Mapping, leaves: Sequence[Leaf], platform: st
         norms[i] = tuple(jnp.sqrt(s).astype(dt).astype(norm_dtype(leaves[i][0]))
                          for s, dt in zip(k_sums[j], dtypes))
   return outs, (norms if op.has_norms else None)
+
+
+def _launch_buffers(options: ExecutorOptions, platform: str) -> int:
+  """The buffers a grouped launch may hold: the option's, kept to the 4 KB parameter space
+  where this process has a CUDA GPU older than Volta."""
+  if platform == "cuda" and _oldest_cuda_capability() < 7.0:
+    return min(options.grouped_max_buffers, MAX_POINTERS_PER_CALL)
+  return options.grouped_max_buffers
+
+
+@functools.cache
+def _oldest_cuda_capability() -> float:
+  """The lowest compute capability of this process's CUDA GPUs (infinity where it has none:
+  a compile-only target is taken to be current)."""
+  try:
+    devices = jax.devices("cuda")
+  except RuntimeError:
+    return float("inf")
+  return min((float(getattr(d, "compute_capability", "inf")) for d in devices),
+             default=float("inf"))
 
 
 @functools.cache

@@ -118,10 +118,13 @@ def _body(h_ref, *refs, op: ElementwiseOp, call: GroupedCall, n_in: int, n_out: 
 
     lane = jnp.arange(block, dtype=jnp.int32)
     if pointer_select:
-      local, left, ins = leaf_table.load(pid, call.starts[lo:hi + 1], call.sizes[lo:hi],
-                                         block, [ins_of(k) for k in range(lo, hi)], op.pads)
-      leaf_values = (owner_value(pid, call.starts, lambda k: locate(k)[2:], lo, hi)
-                     if op.leaf_hyper else [])
+      # One search finds the leaf's input and output pointers; the store reuses it.
+      local, left, ins, owner = leaf_table.load(
+        pid, call.starts[lo:hi + 1], call.sizes[lo:hi], block,
+        [ins_of(k) for k in range(lo, hi)], op.pads, outs=[outs_of(k) for k in range(lo, hi)])
+      # The leaf's own scalars sit at its index in the hyper-parameter vector: one load.
+      leaf_h = read_hyper(h_ref, (), op.leaf_hyper, lo + owner)
+      leaf_values = [leaf_h[n] for n in op.leaf_hyper]
     else:
       local, left, *leaf_values = owner_value(pid, call.starts, locate, lo, hi)
     idx = local * block + lane
@@ -139,7 +142,7 @@ def _body(h_ref, *refs, op: ElementwiseOp, call: GroupedCall, n_in: int, n_out: 
 
     if pointer_select:
       leaf_table.store(pid, call.starts[lo:hi + 1], [outs_of(k) for k in range(lo, hi)], idx,
-                       mask, results)
+                       mask, results, owner=owner)
     else:
       def store(k):
         for r, y in zip(outs_of(k), results):

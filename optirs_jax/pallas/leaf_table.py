@@ -60,7 +60,7 @@ store_p.multiple_results = True
 
 
 def load(pid, starts: Sequence[int], sizes: Sequence[int], block: int,
-         refs: Sequence[Sequence], others):
+         refs: Sequence[Sequence], others, outs: Sequence[Sequence] | None = None):
   """The program's block of the leaf ``k`` with ``starts[k] <= pid < starts[k + 1]``.
 
   Args:
@@ -70,33 +70,43 @@ def load(pid, starts: Sequence[int], sizes: Sequence[int], block: int,
     block: elements per program.
     refs: per leaf, its operands' flat refs (every leaf alike in count and dtypes).
     others: per operand, the scalar that lanes past the leaf's end read.
+    outs: per leaf, the refs a later :func:`store` writes (every leaf alike), found by the
+      same search: pass the returned ``owner`` to that store, which then needs no search
+      of its own.
 
   Returns:
     ``(local, left, values)``: the block's index in its leaf (``pid - starts[k]``), the
     elements from its start to the leaf's end (``sizes[k] - local * block``), and per
     operand the ``[block]`` elements ``local * block + arange(block)`` (``other`` where
-    that is not below ``sizes[k]``).
+    that is not below ``sizes[k]``); with ``outs``, ``(local, left, values, owner)``,
+    ``owner`` being ``k``.
   """
   n_ops = _check(starts, refs)
   if len(sizes) != len(refs):
     raise ValueError(f"need one size per leaf, got {len(sizes)} for {len(refs)} leaves")
-  flat = [r for leaf in refs for r in leaf]
+  n_outs = 0 if outs is None else _check(starts, outs)
+  flat = [r for leaf in (*refs, *(outs or ())) for r in leaf]
   others = [jnp.asarray(o, r.dtype) for o, r in zip(others, refs[0], strict=True)]
-  local, left, *values = load_p.bind(
+  local, left, owner, *values = load_p.bind(
     jnp.asarray(pid, jnp.int32), *others, *flat, starts=tuple(int(s) for s in starts),
-    sizes=tuple(int(s) for s in sizes), block=int(block), n_ops=n_ops)
-  return local, left, values
+    sizes=tuple(int(s) for s in sizes), block=int(block), n_ops=n_ops, n_outs=n_outs)
+  return (local, left, values) if outs is None else (local, left, values, owner)
 
 
-def store(pid, starts: Sequence[int], refs: Sequence[Sequence], idx, mask, values) -> None:
+def store(pid, starts: Sequence[int], refs: Sequence[Sequence], idx, mask, values, *,
+          owner=None) -> None:
   """``ref[idx] = value`` where ``mask``, per operand, into the refs of the leaf owning
   ``pid`` (arguments as in :func:`load`; ``values``: one ``[B]`` array per operand, cast
-  to its refs' dtype)."""
+  to its refs' dtype). ``owner``: the leaf, as returned by a :func:`load` given these
+  ``refs`` as its ``outs``; its search then serves the store too."""
   n_ops = _check(starts, refs)
   flat = [r for leaf in refs for r in leaf]
   values = [jnp.asarray(v).astype(r.dtype) for v, r in zip(values, refs[0], strict=True)]
+  if owner is not None:  # the leaf's index is its own program: leaf k starts at k
+    pid, starts = owner, range(len(refs) + 1)
   store_p.bind(jnp.asarray(pid, jnp.int32), idx, mask, *values, *flat,
-               starts=tuple(int(s) for s in starts), n_ops=n_ops)
+               starts=tuple(int(s) for s in starts), n_ops=n_ops,
+               by_owner=owner is not None)
 
 
 def _check(starts, refs) -> int:
@@ -119,35 +129,51 @@ def _rows(rest, n_ops):
   return ops, [flat[k:k + n_ops] for k in range(0, len(flat), n_ops)]
 
 
+def _load_rows(rest, n_ops, n_outs, leaves):
+  """(the per-operand scalars, per-leaf rows of the loaded refs, per-leaf rows of the
+  ``outs`` refs) of a load's operands after ``pid``."""
+  others, flat = rest[:n_ops], rest[n_ops:]
+  ins, outs = flat[:leaves * n_ops], flat[leaves * n_ops:]
+  return (others, [ins[k:k + n_ops] for k in range(0, len(ins), n_ops)],
+          [outs[k:k + n_outs] for k in range(0, len(outs), n_outs)] if n_outs else [])
+
+
+def _read_effects(n_ops, leaves):
+  return {state_types.ReadEffect(1 + n_ops + j) for j in range(leaves * n_ops)}
+
+
 @load_p.def_effectful_abstract_eval
-def _load_abstract_eval(pid, *rest, starts, sizes, block, n_ops):
-  del pid, starts, sizes
+def _load_abstract_eval(pid, *rest, starts, sizes, block, n_ops, n_outs):
+  del pid, starts, n_outs
   refs = rest[n_ops:]
   index = jax_core.ShapedArray((), jnp.int32)
   outs = [jax_core.ShapedArray((block,), r.dtype) for r in refs[:n_ops]]
-  return [index, index, *outs], {state_types.ReadEffect(1 + n_ops + j)
-                                 for j in range(len(refs))}
+  return [index, index, index, *outs], _read_effects(n_ops, len(sizes))
 
 
 def _load_dce(used_outs, eqn):
   """Drops the operands whose loaded values go unused (a fused step does not read the
-  params it overwrites), in every leaf, as a load per leaf unused would be dropped."""
+  params it overwrites), in every leaf, as a load per leaf unused would be dropped, and
+  the ``outs`` refs where no store takes the owner."""
   if not any(used_outs):
     return [False] * len(eqn.invars), None
-  n_ops = eqn.params["n_ops"]
-  keep = [i for i in range(n_ops) if used_outs[2 + i]] or [0]
-  if len(keep) == n_ops:
+  n_ops, n_outs, leaves = eqn.params["n_ops"], eqn.params["n_outs"], len(eqn.params["sizes"])
+  keep = [i for i in range(n_ops) if used_outs[3 + i]] or [0]
+  keep_outs = n_outs if used_outs[2] else 0
+  if len(keep) == n_ops and keep_outs == n_outs:
     return [True] * len(eqn.invars), eqn
   pid, *rest = eqn.invars
-  others, rows = _rows(rest, n_ops)
+  others, rows, out_rows = _load_rows(rest, n_ops, n_outs, leaves)
   refs = [row[i] for row in rows for i in keep]
-  outvars = [*eqn.outvars[:2], *(eqn.outvars[2 + i] for i in keep)]
+  out_refs = [r for row in out_rows for r in row] if keep_outs else []
+  outvars = [*eqn.outvars[:3], *(eqn.outvars[3 + i] for i in keep)]
   new = pe.new_jaxpr_eqn(
-    [pid, *(others[i] for i in keep), *refs], outvars, load_p, dict(eqn.params, n_ops=len(keep)),
-    {state_types.ReadEffect(1 + len(keep) + j) for j in range(len(refs))}, eqn.source_info,
-    eqn.ctx)
-  used_ins = [True, *(i in keep for i in range(n_ops)), *(i in keep for _ in rows
-                                                          for i in range(n_ops))]
+    [pid, *(others[i] for i in keep), *refs, *out_refs], outvars, load_p,
+    dict(eqn.params, n_ops=len(keep), n_outs=keep_outs), _read_effects(len(keep), leaves),
+    eqn.source_info, eqn.ctx)
+  used_ins = [True, *(i in keep for i in range(n_ops)),
+              *(i in keep for _ in rows for i in range(n_ops)),
+              *[bool(keep_outs)] * (leaves * n_outs)]
   return used_ins, new
 
 
@@ -155,8 +181,8 @@ pe.dce_rules[load_p] = _load_dce
 
 
 @store_p.def_effectful_abstract_eval
-def _store_abstract_eval(pid, idx, mask, *rest, starts, n_ops):
-  del pid, idx, mask, starts
+def _store_abstract_eval(pid, idx, mask, *rest, starts, n_ops, by_owner):
+  del pid, idx, mask, starts, by_owner
   return [], {state_types.WriteEffect(3 + n_ops + j) for j in range(len(rest) - n_ops)}
 
 
@@ -179,8 +205,8 @@ def _discharge_rule(prim):
 
 
 @_discharge_rule(load_p)
-def _load_discharge(pid, *rest, starts, sizes, block, n_ops):
-  others, rows = _rows(rest, n_ops)
+def _load_discharge(pid, *rest, starts, sizes, block, n_ops, n_outs):
+  others, rows, _ = _load_rows(rest, n_ops, n_outs, len(sizes))
   owner = _owner(pid, starts)
   local = pid - jnp.asarray(np.asarray(starts[:-1], np.int32))[owner]
   left = jnp.asarray(np.asarray(sizes, np.int32))[owner] - local * block
@@ -192,11 +218,12 @@ def _load_discharge(pid, *rest, starts, sizes, block, n_ops):
                     for r, o in zip(row, others)]
 
   values = jax.lax.switch(owner, [branch(row) for row in rows])
-  return [None] * (1 + len(rest)), [local, left, *values]
+  return [None] * (1 + len(rest)), [local, left, owner.astype(jnp.int32), *values]
 
 
 @_discharge_rule(store_p)
-def _store_discharge(pid, idx, mask, *rest, starts, n_ops):
+def _store_discharge(pid, idx, mask, *rest, starts, n_ops, by_owner):
+  del by_owner  # an owner is its own program among programs 0, 1, 2, ...
   values, rows = _rows(rest, n_ops)
   owner = _owner(pid, starts)
 
@@ -250,17 +277,27 @@ if AVAILABLE:
                  ir.DenseIntElementsAttr.get(np.asarray([16], np.int32)))
     return pointers
 
+  def _found_outs(ctx) -> list:
+    """``(owner, refs, pointers)`` of the loads given ``outs`` in the kernel being lowered,
+    for the stores that take their ``owner`` (and the same refs): the search's results are
+    MLIR values of the load's rule, which a jaxpr value cannot carry (pointers have no jax
+    dtype)."""
+    return ctx.context.__dict__.setdefault("_optirs_leaf_outs", [])
+
   @tl.register_lowering(load_p)
-  def _load_lowering(ctx, pid, *rest, starts, sizes, block, n_ops):
-    others, rows = _rows(rest, n_ops)
+  def _load_lowering(ctx, pid, *rest, starts, sizes, block, n_ops, n_outs):
+    others, rows, out_rows = _load_rows(rest, n_ops, n_outs, len(sizes))
     i32 = pid.type
 
     def leaf(k):
-      return lambda: [tl._ir_constant(sizes[k], i32), *rows[k]]
+      return lambda: [tl._ir_constant(sizes[k], i32), tl._ir_constant(k, i32), *rows[k],
+                      *(out_rows[k] if n_outs else ())]
 
-    types = [i32, *(p.type for p in rows[0])]
-    start, size, *pointers = _owner_values(ctx, pid, starts,
-                                           [leaf(k) for k in range(len(rows))], types)
+    types = [i32, i32, *(p.type for p in (*rows[0], *(out_rows[0] if n_outs else ())))]
+    start, size, owner, *pointers = _owner_values(ctx, pid, starts,
+                                                  [leaf(k) for k in range(len(rows))], types)
+    if n_outs:
+      _found_outs(ctx).append((owner, [r for row in out_rows for r in row], pointers[n_ops:]))
     local = tl._sub(pid, start)
     first = tl._mul(local, tl._ir_constant(block, i32))  # the block's first element
     left = tl._sub(size, first)
@@ -269,20 +306,26 @@ if AVAILABLE:
     mask = arith_dialect.cmpi(arith_dialect.CmpIPredicate.slt, lane,
                               tl._bcast_to(left, (block,)))
     values = []
-    for p, o, aval in zip(pointers, others, ctx.avals_in[1:1 + n_ops]):
+    for p, o, aval in zip(pointers[:n_ops], others, ctx.avals_in[1:1 + n_ops]):
       addresses = tl._add(_aligned(tl._bcast_to(p, (block,))), idx)
       other = tl._bcast_to(tl._ensure_ir_value(o, aval), (block,))
       values.append(tl._load(addresses, mask=mask, other=other))
-    return [local, left, *values]
+    return [local, left, owner, *values]
 
   @tl.register_lowering(store_p)
-  def _store_lowering(ctx, pid, idx, mask, *rest, starts, n_ops):
+  def _store_lowering(ctx, pid, idx, mask, *rest, starts, n_ops, by_owner):
     values, rows = _rows(rest, n_ops)
     shape = ctx.avals_in[1].shape
     mask = tl._bcast_to(tl._ensure_ir_value(mask, ctx.avals_in[2]), shape)
-    _, *pointers = _owner_values(ctx, pid, starts,
-                                 [(lambda k=k: list(rows[k])) for k in range(len(rows))],
-                                 [p.type for p in rows[0]])
+    flat = [r for row in rows for r in row]
+    found = [p for owner, refs, p in _found_outs(ctx) if owner is pid and len(refs) == len(flat)
+             and all(a is b for a, b in zip(refs, flat))] if by_owner else []
+    if found:  # the load's search found these refs' pointers already
+      pointers = found[0]
+    else:
+      _, *pointers = _owner_values(ctx, pid, starts,
+                                   [(lambda k=k: list(rows[k])) for k in range(len(rows))],
+                                   [p.type for p in rows[0]])
     for p, v in zip(pointers, values):
       tl._store(tl._add(_aligned(tl._bcast_to(p, shape)), idx), v, mask=mask)
     return []

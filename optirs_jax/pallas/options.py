@@ -22,6 +22,7 @@ import dataclasses
 import jax
 
 from optirs_jax.pallas.op import LANES
+from optirs_jax.planning.layout import MAX_POINTERS_PER_CALL_32KB
 
 SMALL_LEAF_POLICIES = ("group", "pack", "solo", "reference")
 LARGE_LEAF_POLICIES = ("group", "in-place")
@@ -95,6 +96,13 @@ class ExecutorOptions:
     interpret_tiling: the geometry in interpret mode; ``None`` takes ``cuda_tiling``, so
       tests on a CPU run the GPU's layout.
     grouped_tiling: the grouped kernel's geometry (1-D blocks).
+    grouped_max_buffers: the operand buffers one grouped launch holds at most (Adam's fused
+      apply: 7 a leaf). Fewer, bigger launches run closer to the copy bandwidth, but the
+      Triton compile of a launch grows faster than its leaves (H200, 2000 leaves of 16K:
+      384 buffers, 38 launches: 64% of copy; 1512, 10 launches: 79%; 2800, 5 launches:
+      86%, first call about 7 s longer; ``benchmarks/NOTES.md``). More than
+      ``MAX_POINTERS_PER_CALL`` (384) needs CUDA's 32 KB kernel parameters (Volta or
+      newer); on older GPUs launches keep to 384.
     gpu_kernels: the Pallas lowering of the GPU's kernels: ``"triton"``, or
       ``"mosaic_gpu"`` (``jax.experimental.pallas.mosaic_gpu``) for ops without per-leaf
       norms or element indices (Adam, AdamW, SGD, RMSprop, Adagrad, Lion); those leaves are
@@ -116,6 +124,7 @@ class ExecutorOptions:
   tpu_tiling: Tiling = Tiling(block_rows=512)
   interpret_tiling: Tiling | None = None
   grouped_tiling: Tiling = Tiling(block_rows=8, num_warps=4, flat=True)
+  grouped_max_buffers: int = 1512
   quantized_tiling: Tiling = Tiling(block_rows=1, num_warps=2)
   gpu_kernels: str = "triton"
   mosaic_gpu_tiling: Tiling = Tiling(block_rows=32, num_stages=2)
@@ -130,6 +139,10 @@ class ExecutorOptions:
     if (not isinstance(self.solo_min_blocks, int) or isinstance(self.solo_min_blocks, bool)
         or self.solo_min_blocks < 1):
       raise ValueError(f"solo_min_blocks={self.solo_min_blocks!r} must be a positive int")
+    if (not isinstance(self.grouped_max_buffers, int) or isinstance(self.grouped_max_buffers, bool)
+        or not 1 <= self.grouped_max_buffers <= MAX_POINTERS_PER_CALL_32KB):
+      raise ValueError(f"grouped_max_buffers={self.grouped_max_buffers!r} must be an int from 1 "
+                       f"to {MAX_POINTERS_PER_CALL_32KB} (32 KB of kernel parameters)")
     if not isinstance(self.updates_on_reference, bool):
       raise TypeError(f"updates_on_reference={self.updates_on_reference!r} must be a bool")
     if self.gpu_kernels not in GPU_KERNELS:

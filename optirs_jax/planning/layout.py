@@ -149,8 +149,10 @@ def plan_layout(sizes: Sequence[int], keys: Sequence[Hashable], *, block_elems: 
 
 
 # Kernel arguments are passed in a parameter space of 4 KB on every CUDA version; at 8 bytes
-# per pointer this leaves room for the hyper-parameter vector and the norm outputs.
+# per pointer this leaves room for the hyper-parameter vector and the norm outputs. From
+# CUDA 12.1 on Volta or newer the space is 32 KB: room for 4000 buffers.
 MAX_POINTERS_PER_CALL = 384
+MAX_POINTERS_PER_CALL_32KB = 4000
 # A launch also closes once it holds this many buffers and SPLIT_BLOCKS blocks: a bigger
 # launch saves little per step, but its Triton compile grows with its leaves (H200, GPT-2
 # Adam: first call 24.8 s with 3 launches of 384 buffers, 12.8 s with 10 of 112, the same
