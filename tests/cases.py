@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.ref import AbstractRef
+from jax._src.state.types import AccumEffect, ReadEffect, WriteEffect
 
 import optirs_jax
 
@@ -126,6 +126,16 @@ def kernel_memory(closed) -> list[tuple[int, int]]:
   return totals
 
 
+RW_EFFECTS = (ReadEffect, WriteEffect, AccumEffect)
+
+
+def _effect_ref(effect, eqn):
+  """The ref a read or write effect of ``eqn`` names: a var inside a jaxpr, else the
+  operand at its index."""
+  ref = getattr(effect, "input", None)
+  return ref if ref is not None else eqn.invars[effect.input_index]
+
+
 def kernel_primitives(closed, refs: bool = False) -> list[collections.Counter]:
   """Per Pallas kernel of a jaxpr (on a GPU ``backend="pallas"`` traces the Triton branch
   and the interpret-mode default), the names of its primitives, branches included; with
@@ -139,7 +149,10 @@ def kernel_primitives(closed, refs: bool = False) -> list[collections.Counter]:
       if eqn.primitive.name == "pallas_call":
         kernels.append(inner := collections.Counter())
       elif counts is not None:
-        touched = sum(isinstance(v.aval, AbstractRef) for v in eqn.invars)
+        # The refs it reads or writes (a leaf table's load also takes the output refs
+        # whose pointers it finds, unread).
+        touched = len({id(_effect_ref(e, eqn)) for e in eqn.effects
+                       if isinstance(e, RW_EFFECTS)})
         counts[eqn.primitive.name] += touched if refs and touched else 1
       for value in eqn.params.values():
         for sub in value if isinstance(value, (tuple, list)) else (value,):
