@@ -21,12 +21,15 @@ Example (on a CPU machine with the plugin and ``ptxas``)::
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 
 #: An H200's description as XLA's ``GpuTargetConfig`` (sm_90: 132 SMs, 228 KiB of shared
-#: memory per SM, 50 MiB of L2, 141 GB of HBM3e at 4.8 TB/s). What a compile reads from it
-#: is mostly the compute capability and the per-block limits.
+#: memory per SM, 60 MiB of L2, 141 GB of HBM3e at 4.8 TB/s): the fields of the H200 lent
+#: to this project that jax 0.10's parser also reads (its own, recorded on jax 0.11.2 by
+#: ``benchmarks/run_h200.sh``'s env step, has fields 0.10 rejects). What a compile reads
+#: from it is mostly the compute capability and the per-block limits.
 H200_TARGET_CONFIG = """
 gpu_device_info {
   threads_per_block_limit: 1024
@@ -39,10 +42,10 @@ gpu_device_info {
   block_dim_limit_x: 2147483647
   block_dim_limit_y: 65535
   block_dim_limit_z: 65535
-  memory_bandwidth: 4800000000000
-  l2_cache_size: 52428800
+  memory_bandwidth: 4814304000000
+  l2_cache_size: 62914560
   clock_rate_ghz: 1.98
-  device_memory_size: 150754820096
+  device_memory_size: 150109880320
   shared_memory_per_block_optin: 232448
   cuda_compute_capability { major: 9 }
   registers_per_core_limit: 65536
@@ -53,6 +56,10 @@ dnn_version_info { major: 9 minor: 10 }
 runtime_version { major: 13 minor: 0 }
 device_description_str: "NVIDIA H200"
 """
+
+
+def _core_count() -> int:
+  return int(re.search(r"core_count: (\d+)", H200_TARGET_CONFIG).group(1))
 
 
 @functools.cache
@@ -68,7 +75,7 @@ def h200_meshes():
   abstract = jax.sharding.AbstractMesh(
     (1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,),
     abstract_device=jax.sharding.AbstractDevice(device_kind=device.device_kind,
-                                                num_cores=132, platform="gpu"))
+                                                num_cores=_core_count(), platform="gpu"))
   return mesh, abstract
 
 
