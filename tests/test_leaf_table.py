@@ -30,12 +30,15 @@ def _body(*refs, starts, sizes, block, shared):
   local_ref, left_ref, sum_ref = refs[3 * n:]
   pid = pl.program_id(0)
   out_rows = [outs[k:k + 1] for k in range(n)]
+  # "other": the load finds other refs' pointers (the inputs'), so the store's lowering
+  # cannot take the load's and searches by the owner's index.
+  found = {"other": [ins[2 * k:2 * k + 1] for k in range(n)], True: out_rows}.get(shared)
   local, left, (a, b), *owner = leaf_table.load(pid, starts, sizes, block,
                                                 [ins[2 * k:2 * k + 2] for k in range(n)],
-                                                [PAD_A, PAD_B], outs=out_rows if shared else None)
+                                                [PAD_A, PAD_B], outs=found)
   lane = jnp.arange(block, dtype=jnp.int32)
   leaf_table.store(pid, starts, out_rows, local * block + lane, lane < left, [a * b + 1.0],
-                   owner=owner[0] if shared else None)
+                   owner=owner[0] if found else None)
   local_ref[...] = local[None]
   left_ref[...] = left[None]
   sum_ref[...] = jnp.sum(a)[None]
@@ -60,7 +63,8 @@ def _call(sizes, block, platform, debug=False, shared=False):
 
 @settings(max_examples=12, deadline=None)
 @given(sizes=st.lists(st.integers(1, 40), min_size=1, max_size=6),
-       block=st.sampled_from([4, 8, 16]), seed=st.integers(0, 2**16), shared=st.booleans())
+       block=st.sampled_from([4, 8, 16]), seed=st.integers(0, 2**16),
+       shared=st.sampled_from([False, True, "other"]))
 def test_each_program_reads_and_writes_its_own_leafs_block(sizes, block, seed, shared):
   rng = np.random.default_rng(seed)
   a = [rng.standard_normal(s).astype(np.float32) for s in sizes]
@@ -118,7 +122,7 @@ def test_arguments_are_checked():
 
 @pytest.mark.skipif(not leaf_table.AVAILABLE, reason="this jax's Triton lowering lacks what "
                     "the leaf table builds on; grouped launches branch per leaf instead")
-@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("shared", [False, True, "other"])
 def test_lowers_to_triton_with_one_unmergeable_branch_per_leaf(capsys, shared):
   # The search's leaves each hold a side-effecting inline-asm move of the leaf's start,
   # its text unique to the leaf, so the compilers keep the branches instead of selecting
@@ -126,7 +130,7 @@ def test_lowers_to_triton_with_one_unmergeable_branch_per_leaf(capsys, shared):
   # store takes the load's owner.
   sizes = [5, 9, 3, 12, 1]
   call, starts = _call(sizes, 4, "cuda", debug=True, shared=shared)
-  searches = 1 if shared else 2
+  searches = 1 if shared is True else 2
   args = [jax.ShapeDtypeStruct((s,), jnp.float32) for s in sizes for _ in range(2)]
   with abstract_target("NVIDIA H200", "cuda"):
     text = jax.jit(call).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
@@ -134,7 +138,11 @@ def test_lowers_to_triton_with_one_unmergeable_branch_per_leaf(capsys, shared):
   module = capsys.readouterr().out.split("The Triton module for pallas_call")[-1]
   asm = re.findall(r'tt.elementwise_inline_asm "([^"]*)" \{([^}]*)\}', module)
   want = [f"mov.b32 $0, {starts[k]}; // leaf {k}" for k in range(len(sizes))]
-  assert sorted(a for a, _ in asm) == sorted(want * searches)
+  if shared == "other":  # the store's search runs over the leaves' indices
+    want += [f"mov.b32 $0, {k}; // leaf {k}" for k in range(len(sizes))]
+  else:
+    want *= searches
+  assert sorted(a for a, _ in asm) == sorted(want)
   assert all("pure = false" in attrs for _, attrs in asm)
   assert module.count("scf.if") == searches * (len(sizes) - 1)
   # Each leaf's output pointer is stored through once, whichever search found it.
