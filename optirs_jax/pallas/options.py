@@ -98,9 +98,9 @@ class ExecutorOptions:
     grouped_tiling: the grouped kernel's geometry (1-D blocks).
     grouped_max_buffers: the operand buffers one grouped launch holds at most (Adam's fused
       apply: 7 a leaf). Fewer, bigger launches run closer to the copy bandwidth, but the
-      Triton compile of a launch grows faster than its leaves (H200, 2000 leaves of 16K:
-      384 buffers, 38 launches: 64% of copy; 1512, 10 launches: 79%; 2800, 5 launches:
-      86%, first call about 7 s longer; ``benchmarks/NOTES.md``). More than
+      Triton compile of a launch grows faster than its leaves (H200, Adam on 2000 leaves of
+      16K, runs 31-32: 384 buffers, 38 launches: 64% of copy; 1512, 10 launches: 80%, first
+      call 7-8.5 s; 2800, 5 launches: 87%, about 7 s more; ``benchmarks/NOTES.md``). More than
       ``MAX_POINTERS_PER_CALL`` (384) needs CUDA's 32 KB kernel parameters (Volta or
       newer); on older GPUs launches keep to 384.
     gpu_kernels: the Pallas lowering of the GPU's kernels: ``"triton"``, or
