@@ -42,6 +42,8 @@ NAMES = (sys.argv[5] if len(sys.argv) > 5 else "adam").split(",")
 
 
 def main():
+  for spec in PLANS:
+    PlanVariant.parse(spec)  # a bad spec stops the run before any compile
   bw = copy_bandwidth(1 << 28, warmup=3, batches=1, steps=10) / 1e9
   print(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}; copy {bw:.0f} GB/s; "
         "fused apply (optirs_jax.apply); % of copy at each case's minimal bytes")
@@ -51,7 +53,6 @@ def main():
     n = param_count(shapes)
     grads = make_grads(shapes, opt)
     for spec, rows, warps in [(a, b, c) for a in PLANS for b in ROWS for c in WARPS]:
-      PlanVariant.parse(spec)  # a bad spec stops the run before any compile
       tiling = optirs_jax.Tiling(block_rows=rows, num_warps=warps, flat=True)
       label = f"{name} {tree:8s} block {rows * 128:6d} warps {warps} plan {spec:>14s}"
       with plan_variant(spec) as variant:

@@ -15,9 +15,8 @@
 # old/: alternating, so the machine's drift falls on each alike), compileprof
 # (benchmarks/compile_profile.py, one process per "tree:optimizer:impl" of $COMPILE_PROFILES),
 # sass (benchmarks/xla_sass.py $SASS_ARGS: the SASS XLA compiles the fused apply into),
-# tests (the
-# whole suite with the GPU visible, WORKERS pytest-xdist workers), bench (python -m
-# optirs_jax.bench $BENCH_ARGS).
+# tests (the whole suite with the GPU visible, WORKERS pytest-xdist workers), bench (python
+# -m optirs_jax.bench $BENCH_ARGS).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/optirs_out}

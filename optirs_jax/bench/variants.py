@@ -1,6 +1,5 @@
 """Launch-plan variants of the grouped kernel, named by one string, for the benchmarks that
-time or compile them side by side (``benchmarks/grouped_tiling.py``, ``xla_sass.py``,
-``triton_sass.py``).
+time or compile them side by side (``benchmarks/grouped_tiling.py``, ``xla_sass.py``).
 
 A spec is ``MAX[/SPLIT[/BLOCKS]][:greedy][:branch][:select]``: the buffers a launch holds
 at most (``ExecutorOptions.grouped_max_buffers``), and those and the blocks after which it

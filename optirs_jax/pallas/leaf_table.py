@@ -134,10 +134,10 @@ def _rows(rest, n_ops):
 def _load_rows(rest, n_ops, n_outs, leaves):
   """(the per-operand scalars, per-leaf rows of the loaded refs, per-leaf rows of the
   ``outs`` refs) of a load's operands after ``pid``."""
-  others, flat = rest[:n_ops], rest[n_ops:]
-  ins, outs = flat[:leaves * n_ops], flat[leaves * n_ops:]
-  return (others, [ins[k:k + n_ops] for k in range(0, len(ins), n_ops)],
-          [outs[k:k + n_outs] for k in range(0, len(outs), n_outs)] if n_outs else [])
+  end = n_ops * (1 + leaves)
+  others, rows = _rows(rest[:end], n_ops)
+  outs = rest[end:]
+  return others, rows, [outs[k:k + n_outs] for k in range(0, len(outs), n_outs)] if n_outs else []
 
 
 def _read_effects(n_ops, leaves):
