@@ -1,9 +1,11 @@
 """Where a step's compile goes: ``jit(step).lower(...).compile()`` under the profiler, its
 host events summed by name (inclusive seconds and count, the longest first).
 
-  PYTHONPATH=. python benchmarks/compile_profile.py leaves adam optirs-apply [top]
+  PYTHONPATH=. python benchmarks/compile_profile.py leaves adam optirs-apply [top] [h200]
 
-One case per process (a process's caches would shorten the compile). Nested events count
+``h200``: compile for the compile-only H200 (``optirs_jax.bench.compile_only``) instead of
+this machine's device, so a machine without a GPU profiles XLA's CUDA compile. One case per
+process (a process's caches would shorten the compile). Nested events count
 in their own name and in their parents', so the rows do not add up to the total.
 """
 
@@ -17,12 +19,23 @@ import time
 import jax
 from jax.profiler import ProfileData
 
-from optirs_jax.bench.cases import step_and_inputs
+from optirs_jax.bench.cases import OPTIMIZERS, jax_step, step_and_inputs, tree_shapes
+from optirs_jax.bench.compile_only import lower_for_h200
 
 
-def main(tree: str, name: str, impl: str, top: int = 40):
-  step, args = step_and_inputs(tree, name, impl)
-  lowered = jax.jit(step, donate_argnums=(0, 1)).lower(*args)
+def main(tree: str, name: str, impl: str, top: int = 40, target: str = "device"):
+  if target == "h200":
+    opt = OPTIMIZERS[name]
+    params = {k: jax.ShapeDtypeStruct(s, opt.dtype) for k, s in tree_shapes(tree, 1.0).items()}
+    tx, step = jax_step(impl, opt)
+    lowered = lower_for_h200(step, params, jax.eval_shape(tx.init, params), params)
+    kind = "compile-only NVIDIA H200"
+  elif target == "device":
+    step, args = step_and_inputs(tree, name, impl)
+    lowered = jax.jit(step, donate_argnums=(0, 1)).lower(*args)
+    kind = jax.devices()[0].device_kind
+  else:
+    raise SystemExit(f"unknown target {target!r}; valid: device, h200")
   with tempfile.TemporaryDirectory() as d:
     with jax.profiler.trace(d):
       t0 = time.perf_counter()
@@ -40,11 +53,11 @@ def main(tree: str, name: str, impl: str, top: int = 40):
         row[0] += event.duration_ns
         row[1] += 1
   print(f"# {tree} {name} {impl}: compile {seconds:.2f} s wall; host events by inclusive "
-        f"seconds ({jax.devices()[0].device_kind}, jax {jax.__version__})", flush=True)
+        f"seconds ({kind}, jax {jax.__version__})", flush=True)
   for event, (ns, count) in sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]:
     print(f"{ns / 1e9:9.3f} s {count:7d}x  {event[:110]}", flush=True)
 
 
 if __name__ == "__main__":
   args = sys.argv[1:]
-  main(*args[:3], *[int(a) for a in args[3:4]])
+  main(*args[:3], *[int(a) for a in args[3:4]], *args[4:5])
