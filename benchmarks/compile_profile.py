@@ -19,14 +19,14 @@ import time
 import jax
 from jax.profiler import ProfileData
 
-from optirs_jax.bench.cases import OPTIMIZERS, jax_step, step_and_inputs, tree_shapes
+from optirs_jax.bench.cases import OPTIMIZERS, abstract_tree, jax_step, step_and_inputs
 from optirs_jax.bench.compile_only import lower_for_h200
 
 
 def main(tree: str, name: str, impl: str, top: int = 40, target: str = "device"):
   if target == "h200":
     opt = OPTIMIZERS[name]
-    params = {k: jax.ShapeDtypeStruct(s, opt.dtype) for k, s in tree_shapes(tree, 1.0).items()}
+    params = abstract_tree(tree, opt.dtype)
     tx, step = jax_step(impl, opt)
     lowered = lower_for_h200(step, params, jax.eval_shape(tx.init, params), params)
     kind = "compile-only NVIDIA H200"

@@ -19,7 +19,7 @@ import sys
 import jax
 from jax.experimental.compute_on import compute_on
 
-from optirs_jax.bench.cases import OPTIMIZERS, jax_step, tree_shapes
+from optirs_jax.bench.cases import OPTIMIZERS, abstract_tree, jax_step
 from optirs_jax.bench.compile_only import lower_for_h200
 from optirs_jax.bench.variants import plan_variant
 from optirs_jax.pallas import dispatch
@@ -50,7 +50,7 @@ def main():
     key, value = item.split("=")
     options[key] = {"1": True, "0": False}.get(value, value)
   opt = OPTIMIZERS["adam"]
-  params = {k: jax.ShapeDtypeStruct(s, opt.dtype) for k, s in tree_shapes(tree, 1.0).items()}
+  params = abstract_tree(tree, opt.dtype)
   grouped_call = dispatch.grouped_call
   dispatch.grouped_call = on_streams(grouped_call, streams)
   try:

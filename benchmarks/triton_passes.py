@@ -23,7 +23,8 @@ import tempfile
 import jax
 from jax._src.pallas.triton import pallas_call_registration
 
-from optirs_jax.bench.cases import OPTIMIZERS, jax_step, tree_shapes
+from optirs_jax.bench.cases import OPTIMIZERS, abstract_tree, jax_step
+from optirs_jax.bench.compile_only import h200_meshes
 from optirs_jax.bench.variants import PlanVariant, plan_variant
 
 TRITON = "__gpu$xla.gpu.triton"
@@ -44,10 +45,10 @@ PASS_LINE = re.compile(r"^\s+([0-9.]+) \(\s*[0-9.]+%\)\s+(\S.*)$")
 
 
 def triton_modules(tree: str, name: str, spec: str) -> list[str]:
-  """The Triton modules (text) of the case's fused apply under plan ``spec``, one per
-  Pallas call lowered (jax lowers a repeated launch once)."""
+  """The Triton modules (text) of the case's fused apply under plan ``spec``: one per
+  distinct launch (jax lowers a repeated launch once)."""
   opt = OPTIMIZERS[name]
-  params = {k: jax.ShapeDtypeStruct(s, opt.dtype) for k, s in tree_shapes(tree, 1.0).items()}
+  params = abstract_tree(tree, opt.dtype)
   modules = []
   lower = pallas_call_registration.lowering.lower_jaxpr_to_triton_module
 
@@ -56,15 +57,12 @@ def triton_modules(tree: str, name: str, spec: str) -> list[str]:
     modules.append(result.module.operation.get_asm(enable_debug_info=False))
     return result
 
-  device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=None,
-                                       platform="cuda")
   pallas_call_registration.lowering.lower_jaxpr_to_triton_module = capture
   try:
     with plan_variant(spec) as variant:
       tx, fn = jax_step("optirs-apply", opt, variant.options())
       state = jax.eval_shape(tx.init, params)
-      mesh = jax.sharding.AbstractMesh((), (), abstract_device=device)
-      with jax.sharding.use_abstract_mesh(mesh):
+      with jax.sharding.use_abstract_mesh(h200_meshes()[1]):
         jax.export.export(jax.jit(fn, donate_argnums=(0, 1)), platforms=["cuda"],
                           disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON)])(
           params, state, params)
@@ -104,11 +102,11 @@ def main():
         f"sm_90 by the triton package, pass seconds from MLIR_ENABLE_TIMING", flush=True)
   with tempfile.TemporaryDirectory() as workdir:
     for spec in plans:
-      for module, count in collections.Counter(triton_modules(tree, name, spec)).most_common():
+      for module in triton_modules(tree, name, spec):
         signature = next(line for line in module.splitlines() if "tt.func" in line)
         leaves = module.count("// leaf ")  # one marked branch per leaf
         total, passes = pass_seconds(module, workdir)
-        print(f"plan {spec} x{count}: {leaves} leaves, {signature.count('!tt.ptr')} pointers, "
+        print(f"plan {spec}: {leaves} leaves, {signature.count('!tt.ptr')} pointers, "
               f"{total:.2f} s; " + ", ".join(f"{p} {s:.3f}" for p, s in passes.most_common(top)),
               flush=True)
 

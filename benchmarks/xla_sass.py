@@ -31,7 +31,7 @@ import time
 import jax
 from jax.experimental.serialize_executable import serialize
 
-from optirs_jax.bench.cases import OPTIMIZERS, jax_step, tree_shapes
+from optirs_jax.bench.cases import OPTIMIZERS, abstract_tree, jax_step
 from optirs_jax.bench.compile_only import lower_for_h200
 from optirs_jax.bench.variants import PlanVariant, plan_variant
 
@@ -140,8 +140,7 @@ def main():
   name = sys.argv[3] if len(sys.argv) > 3 else "adam"
   tool = _cuobjdump()
   opt = OPTIMIZERS[name]
-  shapes = tree_shapes(tree, 1.0)
-  params = {k: jax.ShapeDtypeStruct(s, opt.dtype) for k, s in shapes.items()}
+  params = abstract_tree(tree, opt.dtype)
   print(f"# jax {jax.__version__}; {name} on {tree}, fused apply, compiled for a "
         "compile-only H200 (sm_90); per kernel: launches, instructions, "
         + ", ".join(COUNTED), flush=True)

@@ -54,6 +54,16 @@ def make_tree(shapes, seed: int, dtype=jnp.float32):
           for i, (name, shape) in enumerate(shapes.items())}
 
 
+def abstract_tree(tree: str, dtype=jnp.float32) -> dict[str, jax.ShapeDtypeStruct]:
+  """The benchmark tree ``tree`` at full scale as shapes and a dtype, no data: what the
+  compile-only scripts trace, lower and compile on.
+
+  >>> abstract_tree("gpt2")["wte"]
+  ShapeDtypeStruct(shape=(50257, 768), dtype=float32)
+  """
+  return {k: jax.ShapeDtypeStruct(s, dtype) for k, s in tree_shapes(tree, 1.0).items()}
+
+
 LOSS_SCALE = 2.0**15  # the scaled cases' gradients: with_loss_scaling's initial scale
 
 
