@@ -1,22 +1,24 @@
 """Launch-plan variants of the grouped kernel, named by one string, for the benchmarks that
 time or compile them side by side (``benchmarks/grouped_tiling.py``, ``xla_sass.py``).
 
-A spec is ``MAX[/SPLIT[/BLOCKS]][:greedy][:branch][:select]``: the buffers a launch holds
+A spec is ``MAX[/SPLIT[/BLOCKS]][:greedy][:branch][:select][:stream]``: the buffers a launch holds
 at most (``ExecutorOptions.grouped_max_buffers``), and those and the blocks after which it
 closes (``plan_grouped_calls``'s ``split_pointers``, default ``MAX``, and ``split_blocks``,
 default the planner's); ``:greedy`` cuts without following repeated runs of leaves
 (``repeat=False``), ``:branch`` puts one branch per leaf around its loads and stores
 instead of the leaf table (``grouped.POINTER_SELECT = False``), ``:select`` leaves the
 leaf table's search unmarked, so the compilers flatten it into selects over every leaf's
-pointers (``leaf_table.MARKED_BRANCHES = False``).
+pointers (``leaf_table.MARKED_BRANCHES = False``), ``:stream`` gives the leaf table's loads
+and stores the evict-first cache hint (``leaf_table.STREAMING_HINTS = True``).
 
 >>> v = PlanVariant.parse("1512/112:select")
->>> v.max_pointers, v.split_pointers, v.split_blocks, v.repeat, v.pointer_select, v.marked
-(1512, 112, 8192, True, True, False)
+>>> (v.max_pointers, v.split_pointers, v.split_blocks, v.repeat, v.pointer_select, v.marked,
+...  v.streaming)
+(1512, 112, 8192, True, True, False, False)
 >>> PlanVariant.parse("384:fast")
 Traceback (most recent call last):
 ...
-ValueError: unknown plan flags ['fast'] in '384:fast'; valid: greedy, branch, select
+ValueError: unknown plan flags ['fast'] in '384:fast'; valid: greedy, branch, select, stream
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from optirs_jax.pallas import dispatch, grouped, leaf_table
 from optirs_jax.pallas.options import ExecutorOptions
 from optirs_jax.planning.layout import SPLIT_BLOCKS, plan_grouped_calls
 
-FLAGS = ("greedy", "branch", "select")
+FLAGS = ("greedy", "branch", "select", "stream")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +44,7 @@ class PlanVariant:
   repeat: bool = True
   pointer_select: bool = True
   marked: bool = True
+  streaming: bool = False
 
   @classmethod
   def parse(cls, spec: str) -> PlanVariant:
@@ -53,7 +56,7 @@ class PlanVariant:
       pointers, split, blocks = (bounds.split("/") + [None, None])[:3]
       return cls(int(pointers), int(split or pointers), int(blocks or SPLIT_BLOCKS),
                  repeat="greedy" not in flags, pointer_select="branch" not in flags,
-                 marked="select" not in flags)
+                 marked="select" not in flags, streaming="stream" in flags)
     except ValueError:
       raise ValueError(f"plan {spec!r} is not MAX[/SPLIT[/BLOCKS]] of ints, with flags "
                        f"among {', '.join(FLAGS)}") from None
@@ -81,6 +84,7 @@ def plan_variant(spec: str):
     split_blocks=variant.split_blocks, repeat=variant.repeat)
   grouped.POINTER_SELECT = variant.pointer_select
   leaf_table.MARKED_BRANCHES = variant.marked
+  leaf_table.STREAMING_HINTS = variant.streaming
   grouped._launch.cache_clear()
   jax.clear_caches()
   try:
@@ -89,4 +93,5 @@ def plan_variant(spec: str):
     dispatch.plan_grouped_calls = plan_grouped_calls
     grouped.POINTER_SELECT = True
     leaf_table.MARKED_BRANCHES = True
+    leaf_table.STREAMING_HINTS = False
     grouped._launch.cache_clear()

@@ -55,6 +55,11 @@ except ImportError:  # a jaxlib without the Triton bindings
 #: (``benchmarks/grouped_tiling.py``'s ``:select`` measures it beside the default).
 MARKED_BRANCHES = True
 
+#: Whether the loads and stores ask the caches to evict their lines first (PTX
+#: ``L1::evict_first``): each byte is touched once, so nothing is worth keeping. Off by
+#: default; ``benchmarks/grouped_tiling.py``'s ``:stream`` plan flag times it.
+STREAMING_HINTS = False
+
 load_p = jax_core.Primitive("optirs_leaf_load")
 load_p.multiple_results = True
 store_p = jax_core.Primitive("optirs_leaf_store")
@@ -272,6 +277,9 @@ if AVAILABLE:
       scf_dialect.yield_(_owner_values(ctx, pid, starts, rows, types, mid, hi))
     return list(if_op.results_)
 
+  def _evict():
+    return "evict_first" if STREAMING_HINTS else None
+
   def _aligned(pointers):
     """``pointers`` (a splat) marked 16-byte aligned, as Pallas marks every kernel
     argument, so Triton vectorizes the loads and stores whatever it makes of the search."""
@@ -311,7 +319,7 @@ if AVAILABLE:
     for p, o, aval in zip(pointers[:n_ops], others, ctx.avals_in[1:1 + n_ops]):
       addresses = tl._add(_aligned(tl._bcast_to(p, (block,))), idx)
       other = tl._bcast_to(tl._ensure_ir_value(o, aval), (block,))
-      values.append(tl._load(addresses, mask=mask, other=other))
+      values.append(tl._load(addresses, mask=mask, other=other, eviction_policy=_evict()))
     return [local, left, owner, *values]
 
   @tl.register_lowering(store_p)
@@ -329,5 +337,6 @@ if AVAILABLE:
                                    [(lambda k=k: list(rows[k])) for k in range(len(rows))],
                                    [p.type for p in rows[0]])
     for p, v in zip(pointers, values):
-      tl._store(tl._add(_aligned(tl._bcast_to(p, shape)), idx), v, mask=mask)
+      tl._store(tl._add(_aligned(tl._bcast_to(p, shape)), idx), v, mask=mask,
+                eviction_policy=_evict())
     return []
