@@ -12,7 +12,9 @@ With ``backend="auto"`` the choice is made per platform at lowering time with
 ``jax.lax.platform_dependent``: CPU (and any other platform) runs the reference, CUDA the
 Triton kernel, TPU the Mosaic kernel. Only the platforms the step can run on are traced
 (:func:`lowering_targets`): on a CPU-only process the step is the reference alone, unless
-it is traced for an abstract GPU or TPU device (exporting for it).
+it is traced for an abstract GPU or TPU device (exporting for it). Of those, the kernel
+platform's branch is traced with the step and the others only when it is lowered for
+them (:mod:`~optirs_jax.pallas.lazy_branches`).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optirs_jax.pallas import mosaic_gpu, sharding
+from optirs_jax.pallas import lazy_branches, mosaic_gpu, sharding
 from optirs_jax.pallas.grouped import grouped_call, segment_totals
 from optirs_jax.pallas.kernel import whole_leaf
 from optirs_jax.pallas.op import (
@@ -390,21 +392,47 @@ def execute(op: ElementwiseOp, h: Mapping, leaves: Sequence[Leaf], *, backend: s
   if op.leaf_hyper and got != want:
     raise ValueError(f"op {op.name} reads per-leaf scalars {op.leaf_hyper}: leaf_values must "
                      f"have shape {want} (leaves, scalars per leaf); got {got}")
-  ref = lambda: reference(op, h, leaves, norm_axes, leaf_values)
-  kernel = lambda platform, on_ref=False: lambda: _kernels(op, h, leaves, platform, options,
-                                                           on_ref, norm_axes, leaf_values)
+  ref = lambda h, leaves, leaf_values: reference(op, h, leaves, norm_axes, leaf_values)
+  kernel = lambda platform, on_ref=False: lambda h, leaves, leaf_values: _kernels(
+    op, h, leaves, platform, options, on_ref, norm_axes, leaf_values)
   if backend == "jnp" or not leaves:
-    return ref()
+    return ref(h, leaves, leaf_values)
   targets = lowering_targets(leaves)
   if backend == "auto":
     on_ref = options.updates_on_reference and not fused_apply and not op.has_norms
     branches = {p: kernel(p, on_ref) for p in ("cuda", "tpu") if p in targets}
     if not branches:  # nothing but the reference can run: no branch to trace
-      return ref()
-    return jax.lax.platform_dependent(cpu=ref, **branches, default=ref)
+      return ref(h, leaves, leaf_values)
+    return _by_platform((h, leaves, leaf_values), norm_axes, branches | {"cpu": ref}, ref)
   if backend == "pallas":
     branches = {p: kernel(p) for p in ("cuda", "tpu") if p in targets}
     if not branches:
-      return kernel("interpret")()
-    return jax.lax.platform_dependent(**branches, default=kernel("interpret"))
+      return kernel("interpret")(h, leaves, leaf_values)
+    return _by_platform((h, leaves, leaf_values), norm_axes, branches, kernel("interpret"))
   raise ValueError(f"{backend=} is not one of ('auto', 'jnp', 'pallas')")
+
+
+def _by_platform(args, norm_axes, branches, default):
+  """``platform_dependent`` of ``branches`` (and ``default``), each taking ``(h, leaves,
+  leaf_values)`` of ``args``. The first branch (a kernel platform) is traced now, the
+  others only when the step is lowered for their platform
+  (:mod:`~optirs_jax.pallas.lazy_branches`): a GPU step does not trace the CPU's
+  reference. Inside a ``shard_map`` (``norm_axes``) every branch is traced now, where the
+  mesh axes the norms sum over are bound."""
+  h, leaves, leaf_values = args
+  flat, tree = jax.tree.flatten((dict(h), leaves, leaf_values))
+  dynamic = [isinstance(x, (jax.Array, jax.core.Tracer)) for x in flat]
+
+  def with_args(fn):  # ``fn`` of the arrays among ``args``, the rest fixed
+    def run(arrays):
+      it = iter(arrays)
+      h, leaves, leaf_values = jax.tree.unflatten(
+        tree, [next(it) if d else x for x, d in zip(flat, dynamic)])
+      return fn(h, leaves, leaf_values)
+    return run
+
+  arrays = [x for x, d in zip(flat, dynamic) if d]
+  run = {p: with_args(fn) for p, fn in branches.items()}
+  if norm_axes:
+    return jax.lax.platform_dependent(arrays, default=with_args(default), **run)
+  return lazy_branches.platform_dependent(arrays, default=with_args(default), **run)

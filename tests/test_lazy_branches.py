@@ -1,0 +1,101 @@
+"""optirs_jax.pallas.lazy_branches: each platform's branch is traced only where it is lowered,
+and the result is jax.lax.platform_dependent's under every transformation."""
+
+import collections
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from optirs_jax.pallas import lazy_branches
+
+CONST = np.arange(5, dtype=np.float32)  # a constant the traced branch closes over
+
+
+def counted():
+  """(branches by platform, trace counts): cuda adds 1, tpu 2, the default doubles; each
+  returns a dict, to check the results' structure is kept."""
+  traces = collections.Counter()
+
+  def branch(name, fn):
+    def run(args):
+      traces[name] += 1
+      x, y = args
+      return {"out": fn(x) + y}
+    return run
+
+  return {"cuda": branch("cuda", lambda x: x + 1.0), "tpu": branch("tpu", lambda x: x + 2.0),
+          "default": branch("default", lambda x: 2.0 * x)}, traces
+
+
+def call(branches, x, y):
+  return lazy_branches.platform_dependent(
+    (x, y), default=branches["default"], cuda=branches["cuda"], tpu=branches["tpu"])["out"]
+
+
+X = jnp.arange(5, dtype=jnp.float32)
+Y = jnp.float32(0.5)
+
+
+def test_first_branch_traced_with_the_step_others_when_lowered_for():
+  branches, traces = counted()
+  traced = jax.jit(lambda x, y: call(branches, x, y)).trace(X, Y)
+  assert traces == {"cuda": 1}  # the primary only
+  lowered = traced.lower()  # for this CPU: the default's branch, traced now
+  assert traces == {"cuda": 1, "default": 1}
+  np.testing.assert_array_equal(lowered.compile()(X, Y), 2.0 * X + Y)
+
+
+def test_export_for_one_other_platform_traces_only_its_branch():
+  branches, traces = counted()
+  exp = jax.export.export(jax.jit(lambda x, y: call(branches, x, y)), platforms=["tpu"])(X, Y)
+  assert traces == {"cuda": 1, "tpu": 1}
+  assert "stablehlo.add" in exp.mlir_module()
+
+
+def test_export_for_several_platforms_switches_on_the_platform():
+  branches, traces = counted()
+  exp = jax.export.export(jax.jit(lambda x, y: call(branches, x, y)),
+                          platforms=["cpu", "cuda", "tpu"])(X, Y)
+  assert set(traces) == {"cuda", "tpu", "default"}
+  np.testing.assert_array_equal(exp.call(X, Y), 2.0 * X + Y)  # run here: the CPU's branch
+
+
+def test_primary_lowered_with_its_constants():
+  def fn(args):
+    x, = args
+    return x * jnp.asarray(CONST) + 1.0  # a constant of the traced jaxpr
+
+  f = jax.jit(lambda x: lazy_branches.platform_dependent((x,), cpu=fn, default=lambda a: a[0]))
+  np.testing.assert_array_equal(f(X), X * CONST + 1.0)
+
+
+@pytest.mark.parametrize("transform", ["vmap", "jvp", "grad", "jit-vmap"])
+def test_transformations_match_platform_dependent(transform):
+  branches, _ = counted()
+  ours = lambda x, y: call(branches, x, y)
+  ref = lambda x, y: jax.lax.platform_dependent(
+    (x, y), default=branches["default"], cuda=branches["cuda"], tpu=branches["tpu"])["out"]
+  xs = jnp.arange(15, dtype=jnp.float32).reshape(3, 5)
+  run = {
+    "vmap": lambda f: jax.vmap(f, in_axes=(0, None))(xs, Y),
+    "jit-vmap": lambda f: jax.jit(jax.vmap(f, in_axes=(0, None)))(xs, Y),
+    "jvp": lambda f: jax.jvp(f, (X, Y), (jnp.ones_like(X), jnp.float32(1.0))),
+    "grad": lambda f: jax.grad(lambda x, y: f(x, y).sum(), argnums=(0, 1))(X, Y),
+  }[transform]
+  chex.assert_trees_all_equal(run(ours), run(ref))
+  chex.assert_trees_all_equal(run(ours), run(lambda x, y: 2.0 * x + y))
+
+
+def test_branches_that_disagree_in_structure_fail_when_lowered():
+  f = lambda x: lazy_branches.platform_dependent(
+    (x,), cuda=lambda a: {"out": a[0]}, default=lambda a: (a[0],))
+  with pytest.raises(TypeError, match="platform branches must return alike"):
+    jax.jit(f).lower(X)
+
+
+def test_needs_a_named_branch():
+  with pytest.raises(ValueError, match="at least one named platform"):
+    lazy_branches.platform_dependent((X,), default=lambda a: a)
