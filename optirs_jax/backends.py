@@ -4,8 +4,9 @@
 backend    what runs
 =========  ==================================================================================
 ``auto``   the Pallas kernel on GPU (Triton) and TPU (Mosaic), the jnp reference elsewhere;
-           chosen per platform at lowering time with ``jax.lax.platform_dependent``, so one
-           traced step exports correctly for every platform
+           chosen per platform at lowering time (``jax.lax.platform_dependent``'s
+           semantics; each platform's branch traced only when lowered for), so one traced
+           step exports correctly for every platform
 ``jnp``    the pure-jnp reference everywhere (XLA fuses it per leaf)
 ``pallas`` the Pallas kernels everywhere: Triton on GPU, Mosaic on TPU, interpret mode on
            CPU and other platforms (slow; for tests and debugging)
