@@ -218,7 +218,8 @@ def _local_kernels(op: ElementwiseOp, platform: str, options: ExecutorOptions, h
                                        [out_dtypes[i] for i in members], call,
                                        platform=platform, tiling=tiling, aliases=aliases)
       for i, res in zip(members, results):
-        outs[i] = tuple(y.reshape(leaves[i][0].shape) for y in res)
+        shape = leaves[i][0].shape
+        outs[i] = tuple(y if y.shape == shape else y.reshape(shape) for y in res)
       call_partials.append(partials)
     # Every grouped leaf's totals in one more launch, in the calls' order.
     totals = segment_totals(call_partials, calls, platform=platform)

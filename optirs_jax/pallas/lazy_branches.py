@@ -29,6 +29,7 @@ from collections.abc import Callable
 
 import jax
 from jax._src import core as jax_core
+from jax._src import linear_util as lu
 from jax._src.interpreters import ad, batching
 from jax._src.interpreters import partial_eval as pe
 from jax.interpreters import mlir
@@ -54,15 +55,23 @@ def platform_dependent(args, *, default: Callable, **branches: Callable):
     raise ValueError("platform_dependent needs at least one named platform's branch")
   flat, in_tree = jax.tree.flatten(args)
   primary = next(iter(branches))
-  closed, out_shape = jax.make_jaxpr(branches[primary], return_shape=True)(
-    jax.tree.unflatten(in_tree, flat))
-  out_tree = jax.tree.structure(out_shape)
+  out_trees = []
+
+  def traced(*xs):  # the primary branch on flat operands, its flat results
+    leaves, tree = jax.tree.flatten(branches[primary](jax.tree.unflatten(in_tree, xs)))
+    out_trees.append(tree)
+    return leaves
+
+  # Traced as jax.make_jaxpr would, without naming each of the (thousands of) operands.
+  debug = jax_core.DebugInfo("platform_dependent", primary, None, None)
+  jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(lu.wrap_init(traced, debug_info=debug),
+                                               [jax.typeof(x) for x in flat])
+  out_tree, = out_trees
   table = tuple(sorted(branches.items()))
   # The constants become leading operands: the lowering calls the jaxpr as a function.
-  jaxpr = pe.convert_constvars_jaxpr(closed.jaxpr)
-  outs = branch_p.bind(*closed.consts, *flat, jaxpr=jaxpr, n_consts=len(closed.consts),
-                       primary=primary, branches=table, default=default, in_tree=in_tree,
-                       out_tree=out_tree)
+  outs = branch_p.bind(*consts, *flat, jaxpr=pe.convert_constvars_jaxpr(jaxpr),
+                       n_consts=len(consts), primary=primary, branches=table,
+                       default=default, in_tree=in_tree, out_tree=out_tree)
   return jax.tree.unflatten(out_tree, outs)
 
 
