@@ -5,18 +5,50 @@ Run one case per process (a process's caches would shorten a second measurement)
   PYTHONPATH=. python benchmarks/first_call.py gpt2 adam optirs-apply
 
 prints one line: the case, then seconds of ``jit(step).trace``, ``.lower()``,
-``.compile()``, the first run, and their total.
+``.compile()``, the first run, and their total. A fourth argument ``h200`` traces, lowers
+and compiles the step for the compile-only H200 (:mod:`optirs_jax.bench.compile_only`) on
+shapes alone, so a machine without a GPU times XLA's CUDA compile (no run)::
+
+  JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/first_call.py leaves adam optirs-apply h200
 """
 
+import itertools
 import sys
+import time
 
 import jax
 
-from optirs_jax.bench.cases import step_and_inputs
+from optirs_jax.bench.cases import OPTIMIZERS, abstract_tree, jax_step, step_and_inputs
+from optirs_jax.bench.compile_only import h200_meshes
 from optirs_jax.bench.timing import first_call_parts
 
 
-def main(tree: str, name: str, impl: str):
+def for_h200(tree: str, name: str, impl: str):
+  opt = OPTIMIZERS[name]
+  tx, step = jax_step(impl, opt)
+  mesh, abstract = h200_meshes()
+  sharding = jax.sharding.NamedSharding(mesh, jax.P())
+  params = abstract_tree(tree, opt.dtype)
+  args = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+                      (params, jax.eval_shape(tx.init, params), params))
+  times = [time.perf_counter()]
+  with jax.sharding.use_abstract_mesh(abstract):
+    traced = jax.jit(step, donate_argnums=(0, 1)).trace(*args)
+    times.append(time.perf_counter())
+    lowered = traced.lower()
+    times.append(time.perf_counter())
+    lowered.compile()
+    times.append(time.perf_counter())
+  t, lo, c = (b - a for a, b in itertools.pairwise(times))
+  print(f"{tree} {name} {impl} (compile-only H200): trace {t:.2f} lower {lo:.2f} "
+        f"compile {c:.2f} total {t + lo + c:.2f} s", flush=True)
+
+
+def main(tree: str, name: str, impl: str, target: str = "device"):
+  if target == "h200":
+    return for_h200(tree, name, impl)
+  if target != "device":
+    raise ValueError(f"target {target!r} is not one of 'device', 'h200'")
   step, args = step_and_inputs(tree, name, impl)
   _, parts = first_call_parts(jax.jit(step, donate_argnums=(0, 1)), *args)
   print(f"{tree} {name} {impl}: trace {parts[0]:.2f} lower {parts[1]:.2f} "
@@ -24,4 +56,4 @@ def main(tree: str, name: str, impl: str):
 
 
 if __name__ == "__main__":
-  main(*(sys.argv[1:] + ["gpt2", "adam", "optirs-apply"][len(sys.argv) - 1:])[:3])
+  main(*(sys.argv[1:] + ["gpt2", "adam", "optirs-apply"][len(sys.argv) - 1:])[:4])
