@@ -99,3 +99,10 @@ def test_branches_that_disagree_in_structure_fail_when_lowered():
 def test_needs_a_named_branch():
   with pytest.raises(ValueError, match="at least one named platform"):
     lazy_branches.platform_dependent((X,), default=lambda a: a)
+
+
+def test_branches_that_disagree_in_shape_or_dtype_fail_when_lowered():
+  f = lambda x: lazy_branches.platform_dependent(
+    (x,), cuda=lambda a: a[0], default=lambda a: a[0].astype(jnp.int32))
+  with pytest.raises(TypeError, match=r"the cpu branch returns .*int32.*the cuda branch"):
+    jax.jit(f).lower(X)

@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 from jax._src import core as jax_core
 from jax._src import linear_util as lu
 from jax._src.interpreters import ad, batching
@@ -112,8 +113,16 @@ def _lowering(ctx, *args, jaxpr, n_consts, primary, branches, default, in_tree, 
   if len(platforms) != 1:  # one module for several platforms: switch on the platform
     fn = lambda *a: _eager(a[n_consts:], **params)
   else:
-    branch = dict(branches).get(platforms[0], default)
-    fn = lambda *a: _flat_branch(branch, in_tree, out_tree)(*a[n_consts:])
+    branch = _flat_branch(dict(branches).get(platforms[0], default), in_tree, out_tree)
+    want = [(a.shape, a.dtype) for a in ctx.avals_out]
+
+    def fn(*a):
+      outs = branch(*a[n_consts:])
+      got = [(jnp.shape(o), jnp.result_type(o)) for o in outs]
+      if got != want:
+        raise TypeError(f"the {platforms[0]} branch returns {got}; the {primary} branch "
+                        f"returned {want}: platform branches must return alike")
+      return outs
   return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
 
 
