@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from optirs_jax.pallas import lazy_branches
 from optirs_jax.pallas.dispatch import lowering_targets
 from optirs_jax.pallas.op import hyper_vector, read_hyper
 from optirs_jax.pallas.options import ExecutorOptions
@@ -128,23 +129,22 @@ def _make(fn: str, learning_rate_, b1, b2, eps, weight_decay, block_size, min_8b
     kw = dict(l2=has_wd and not decoupled, decoupled=has_wd and decoupled, fused=fused,
               tiling=tiling)
 
-    def run(platform):
-      def go():
+    def run(platform):  # a branch of the arrays it is given (it may run at lowering time)
+      def go(args):
+        hvec, pl_, gl, mus, nus = args
         outs = [_leaf(hvec, p, g, m, v, platform=platform, **kw)
                 for p, g, m, v in zip(pl_, gl, mus, nus)]
         return tuple(zip(*outs)) if outs else ((), (), ())
       return go
 
+    args = (hvec, pl_, gl, mus, nus)
     targets = lowering_targets([(g,) for g in gl[:1]])
-    if backend == "jnp" or not gl:
-      first, new_mu, new_nu = run("jnp")()
-    elif backend == "auto":
-      first, new_mu, new_nu = (jax.lax.platform_dependent(cuda=run("cuda"), default=run("jnp"))
-                               if "cuda" in targets else run("jnp")())
-    else:
-      first, new_mu, new_nu = (jax.lax.platform_dependent(cuda=run("cuda"),
-                                                          default=run("interpret"))
-                               if "cuda" in targets else run("interpret")())
+    other = "jnp" if backend in ("jnp", "auto") else "interpret"
+    if backend == "jnp" or not gl or "cuda" not in targets:
+      first, new_mu, new_nu = run(other)(args)
+    else:  # the kernel's branch traced now, the other when lowered for another platform
+      first, new_mu, new_nu = lazy_branches.platform_dependent(args, cuda=run("cuda"),
+                                                               default=run(other))
     unflat = lambda xs: jax.tree.unflatten(treedef, list(xs))
     new_state = Adam8bitState(optax.safe_increment(count), unflat(new_mu), unflat(new_nu))
     return unflat(first), new_state
