@@ -2,9 +2,9 @@
 
 ``jax.lax.platform_dependent`` traces every branch when the step is traced, and lowering
 keeps the one of the platform compiled for. A step that can run on a GPU therefore also
-traced the jnp reference its CPU branch holds (2000 leaves of Adam: 0.7 s of its 3.7 s
-trace on the 2-core CPU machine, plus 0.4 s merging the branches' constants and 0.6 s
-pruning both branches in the lowering), though a GPU compile never uses it.
+traced the jnp reference its CPU branch holds, though a GPU compile never uses it (2000
+leaves of Adam for an H200, on a 2-core CPU: trace 1.7-1.9 s with it, 0.8 s without;
+lowering 1.2 s with it, 0.9 s without: ``benchmarks/results/2026-12-05-cpu-lazy-branches.txt``).
 
 :func:`platform_dependent` traces the *first* branch it is given (the platform the step
 is most likely compiled for) when the step is traced, and binds one primitive holding
