@@ -106,8 +106,13 @@ def _abstract_eval(*args, jaxpr, **_):
 
 def _lowering(ctx, *args, jaxpr, n_consts, primary, branches, default, in_tree, out_tree):
   platforms = ctx.module_context.platforms
-  if len(platforms) == 1 and platforms[0] == primary:  # the jaxpr traced already
-    return mlir.core_call_lowering(ctx, *args, name="platform_branch", call_jaxpr=jaxpr)
+  if len(platforms) == 1 and platforms[0] == primary:  # the jaxpr traced already, inlined
+    outs, tokens = mlir.jaxpr_subcomp(
+      ctx.module_context, jaxpr, ctx.name_stack, ctx.tokens_in, [], *args,
+      dim_var_values=ctx.dim_var_values, const_lowering=ctx.const_lowering,
+      outer_traceback=ctx.traceback)
+    ctx.set_tokens_out(tokens)
+    return outs
   params = dict(n_consts=n_consts, branches=branches, default=default, in_tree=in_tree,
                 out_tree=out_tree)
   if len(platforms) != 1:  # one module for several platforms: switch on the platform
