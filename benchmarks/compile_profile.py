@@ -19,16 +19,14 @@ import time
 import jax
 from jax.profiler import ProfileData
 
-from optirs_jax.bench.cases import OPTIMIZERS, abstract_tree, jax_step, step_and_inputs
+from optirs_jax.bench.cases import abstract_step_and_inputs, step_and_inputs
 from optirs_jax.bench.compile_only import lower_for_h200
 
 
 def main(tree: str, name: str, impl: str, top: int = 40, target: str = "device"):
   if target == "h200":
-    opt = OPTIMIZERS[name]
-    params = abstract_tree(tree, opt.dtype)
-    tx, step = jax_step(impl, opt)
-    lowered = lower_for_h200(step, params, jax.eval_shape(tx.init, params), params)
+    step, args = abstract_step_and_inputs(tree, name, impl)
+    lowered = lower_for_h200(step, *args)
     kind = "compile-only NVIDIA H200"
   elif target == "device":
     step, args = step_and_inputs(tree, name, impl)

@@ -18,21 +18,16 @@ import time
 
 import jax
 
-from optirs_jax.bench.cases import OPTIMIZERS, abstract_tree, jax_step, step_and_inputs
-from optirs_jax.bench.compile_only import h200_meshes
+from optirs_jax.bench.cases import abstract_step_and_inputs, step_and_inputs
+from optirs_jax.bench.compile_only import h200_meshes, on_h200
 from optirs_jax.bench.timing import first_call_parts
 
 
 def for_h200(tree: str, name: str, impl: str):
-  opt = OPTIMIZERS[name]
-  tx, step = jax_step(impl, opt)
-  mesh, abstract = h200_meshes()
-  sharding = jax.sharding.NamedSharding(mesh, jax.P())
-  params = abstract_tree(tree, opt.dtype)
-  args = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
-                      (params, jax.eval_shape(tx.init, params), params))
+  step, args = abstract_step_and_inputs(tree, name, impl)
+  args = on_h200(args)
   times = [time.perf_counter()]
-  with jax.sharding.use_abstract_mesh(abstract):
+  with jax.sharding.use_abstract_mesh(h200_meshes()[1]):
     traced = jax.jit(step, donate_argnums=(0, 1)).trace(*args)
     times.append(time.perf_counter())
     lowered = traced.lower()

@@ -179,3 +179,13 @@ def step_and_inputs(tree: str, name: str, impl: str):
   state = tx.init(params)
   jax.block_until_ready((params, state, grads))
   return step, (params, state, grads)
+
+
+def abstract_step_and_inputs(tree: str, name: str, impl: str):
+  """:func:`step_and_inputs` as shapes and dtypes, no data (:func:`abstract_tree`; the
+  gradients shaped and typed as the params): for tracing, lowering and compiling for a
+  device this process need not have."""
+  opt = OPTIMIZERS[name]
+  params = abstract_tree(tree, opt.dtype)
+  tx, step = jax_step(impl, opt)
+  return step, (params, jax.eval_shape(tx.init, params), params)

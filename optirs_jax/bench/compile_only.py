@@ -79,15 +79,20 @@ def h200_meshes():
   return mesh, abstract
 
 
+def on_h200(args):
+  """The shapes and dtypes of ``args`` (arrays or ``ShapeDtypeStruct``s) placed on the
+  compile-only H200: what to trace and lower a step on, under the abstract mesh of
+  :func:`h200_meshes`."""
+  sharding = jax.sharding.NamedSharding(h200_meshes()[0], jax.P())
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+                      args)
+
+
 def lower_for_h200(step, *args, donate_argnums=(0, 1)) -> jax.stages.Lowered:
   """``jax.jit(step, donate_argnums=...)`` lowered for the compile-only H200, on the
   shapes and dtypes of ``args`` (arrays or ``ShapeDtypeStruct``s)."""
-  mesh, abstract = h200_meshes()
-  sharding = jax.sharding.NamedSharding(mesh, jax.P())
-  shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
-                        args)
-  with jax.sharding.use_abstract_mesh(abstract):
-    return jax.jit(step, donate_argnums=donate_argnums).lower(*shapes)
+  with jax.sharding.use_abstract_mesh(h200_meshes()[1]):
+    return jax.jit(step, donate_argnums=donate_argnums).lower(*on_h200(args))
 
 
 def compile_for_h200(step, *args, donate_argnums=(0, 1)) -> jax.stages.Compiled:
