@@ -69,7 +69,7 @@ def platform_dependent(args, *, default: Callable, **branches: Callable):
                                                [jax.typeof(x) for x in flat])
   out_tree, = out_trees
   table = tuple(sorted(branches.items()))
-  # The constants become leading operands: the lowering calls the jaxpr as a function.
+  # The constants become leading operands, the jaxpr's leading inputs.
   outs = branch_p.bind(*consts, *flat, jaxpr=pe.convert_constvars_jaxpr(jaxpr),
                        n_consts=len(consts), primary=primary, branches=table,
                        default=default, in_tree=in_tree, out_tree=out_tree)
@@ -89,13 +89,12 @@ def _flat_branch(fn, in_tree, out_tree):
   return run
 
 
-def _eager(flat, *, n_consts, branches, default, in_tree, out_tree, **_):
-  """The primitive as ``jax.lax.platform_dependent`` of its branches, on ``flat`` (without
-  the primary jaxpr's constants)."""
-  del n_consts
+def _eager(*, branches, default, in_tree, out_tree, **_):
+  """The primitive as ``jax.lax.platform_dependent`` of its branches: a function of its
+  operands without the primary jaxpr's constants (``_``: the params it does not need)."""
   run = {p: _flat_branch(fn, in_tree, out_tree) for p, fn in branches}
-  return jax.lax.platform_dependent(*flat, default=_flat_branch(default, in_tree, out_tree),
-                                    **run)
+  flat_default = _flat_branch(default, in_tree, out_tree)
+  return lambda *flat: jax.lax.platform_dependent(*flat, default=flat_default, **run)
 
 
 @branch_p.def_abstract_eval
@@ -113,10 +112,9 @@ def _lowering(ctx, *args, jaxpr, n_consts, primary, branches, default, in_tree, 
       outer_traceback=ctx.traceback)
     ctx.set_tokens_out(tokens)
     return outs
-  params = dict(n_consts=n_consts, branches=branches, default=default, in_tree=in_tree,
-                out_tree=out_tree)
   if len(platforms) != 1:  # one module for several platforms: switch on the platform
-    fn = lambda *a: _eager(a[n_consts:], **params)
+    eager = _eager(branches=branches, default=default, in_tree=in_tree, out_tree=out_tree)
+    fn = lambda *a: eager(*a[n_consts:])
   else:
     branch = _flat_branch(dict(branches).get(platforms[0], default), in_tree, out_tree)
     want = [(a.shape, a.dtype) for a in ctx.avals_out]
@@ -136,30 +134,16 @@ mlir.register_lowering(branch_p, _lowering)
 
 def _batching(args, dims, *, n_consts, **params):
   axes = [d if isinstance(d, int) else None for d in dims]  # not_mapped: None or a sentinel
-  fn = lambda *flat: _eager(flat, n_consts=0, **params)
-  outs = jax.vmap(fn, in_axes=axes[n_consts:])(*args[n_consts:])
+  outs = jax.vmap(_eager(**params), in_axes=axes[n_consts:])(*args[n_consts:])
   return outs, [0] * len(outs)
 
 
-batching.primitive_batchers[branch_p] = lambda args, dims, **p: _batching(
-  args, dims, **{k: v for k, v in p.items() if k not in ("jaxpr", "primary")})
+batching.primitive_batchers[branch_p] = _batching
 
 
-def _jvp(primals, tangents, *, n_consts, jaxpr, primary, **params):
-  del jaxpr, primary
+def _jvp(primals, tangents, *, n_consts, **params):
   tangents = [ad.instantiate_zeros(t) for t in tangents[n_consts:]]
-  fn = lambda *flat: _eager(flat, n_consts=0, **params)
-  return jax.jvp(fn, tuple(primals[n_consts:]), tuple(tangents))
+  return jax.jvp(_eager(**params), tuple(primals[n_consts:]), tuple(tangents))
 
 
 ad.primitive_jvps[branch_p] = _jvp
-
-
-def _dce(used_outputs, eqn):
-  """Keeps the equation whole unless no result is used (then it is dropped)."""
-  if not any(used_outputs):
-    return [False] * len(eqn.invars), None
-  return [True] * len(eqn.invars), eqn
-
-
-pe.dce_rules[branch_p] = _dce
