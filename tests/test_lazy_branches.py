@@ -35,8 +35,21 @@ def call(branches, x, y):
     (x, y), default=branches["default"], cuda=branches["cuda"], tpu=branches["tpu"])["out"]
 
 
-X = jnp.arange(5, dtype=jnp.float32)
-Y = jnp.float32(0.5)
+# Committed to the CPU (which every machine has), so that jit lowers for a platform other
+# than the primary's (cuda) wherever the tests run.
+CPU = jax.devices("cpu")[0]
+X = jax.device_put(jnp.arange(5, dtype=jnp.float32), CPU)
+Y = jax.device_put(jnp.float32(0.5), CPU)
+
+
+def expected(platform, x, y):
+  """What ``counted``'s branches compute on ``platform``."""
+  return {"cuda": x + 1.0 + y, "tpu": x + 2.0 + y}.get(platform, 2.0 * x + y)
+
+
+def default_platform():
+  """The platform jit compiles for here: ``cuda`` for an NVIDIA GPU."""
+  return jax.devices()[0].platform.replace("gpu", "cuda")
 
 
 def test_first_branch_traced_with_the_step_others_when_lowered_for():
@@ -60,7 +73,18 @@ def test_export_for_several_platforms_switches_on_the_platform():
   exp = jax.export.export(jax.jit(lambda x, y: call(branches, x, y)),
                           platforms=["cpu", "cuda", "tpu"])(X, Y)
   assert set(traces) == {"cuda", "tpu", "default"}
-  np.testing.assert_array_equal(exp.call(X, Y), 2.0 * X + Y)  # run here: the CPU's branch
+  np.testing.assert_array_equal(exp.call(X, Y), 2.0 * X + Y)  # run on the CPU: its branch
+
+
+@pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
+def test_runs_the_branch_of_the_default_device(jit):
+  # On a GPU the primary (cuda) branch is lowered inline; elsewhere the default's is traced
+  # at lowering. Outside jit the primitive is compiled alone, for its operands' device.
+  branches, _ = counted()
+  x, y = (jax.device_put(a, jax.devices()[0]) for a in (X, Y))
+  f = lambda x, y: call(branches, x, y)
+  got = (jax.jit(f) if jit else f)(x, y)
+  np.testing.assert_array_equal(got, expected(default_platform(), x, y))
 
 
 def test_primary_lowered_with_its_constants():
@@ -78,7 +102,7 @@ def test_transformations_match_platform_dependent(transform):
   ours = lambda x, y: call(branches, x, y)
   ref = lambda x, y: jax.lax.platform_dependent(
     (x, y), default=branches["default"], cuda=branches["cuda"], tpu=branches["tpu"])["out"]
-  xs = jnp.arange(15, dtype=jnp.float32).reshape(3, 5)
+  xs = jax.device_put(jnp.arange(15, dtype=jnp.float32).reshape(3, 5), CPU)
   run = {
     "vmap": lambda f: jax.vmap(f, in_axes=(0, None))(xs, Y),
     "jit-vmap": lambda f: jax.jit(jax.vmap(f, in_axes=(0, None)))(xs, Y),
@@ -86,7 +110,7 @@ def test_transformations_match_platform_dependent(transform):
     "grad": lambda f: jax.grad(lambda x, y: f(x, y).sum(), argnums=(0, 1))(X, Y),
   }[transform]
   chex.assert_trees_all_equal(run(ours), run(ref))
-  chex.assert_trees_all_equal(run(ours), run(lambda x, y: 2.0 * x + y))
+  chex.assert_trees_all_equal(run(ours), run(lambda x, y: 2.0 * x + y))  # the CPU's branch
 
 
 def test_branches_that_disagree_in_structure_fail_when_lowered():

@@ -12,6 +12,7 @@ import pytest
 
 import optirs_jax
 from optirs_jax import mixed_precision as mp
+from optirs_jax.pallas.dispatch import lowering_targets
 from tests import cases
 
 BACKENDS = ["jnp", "pallas"]
@@ -185,7 +186,10 @@ def test_a_cpu_step_skips_with_a_conditional(standard_promotion):
   params = {f"w{i}": jnp.ones((i % 5 + 1, 130 + i), jnp.bfloat16) for i in range(30)}
   text = jax.jit(lambda p, s, g: optirs_jax.apply(tx, g, s, p)).lower(
       params, tx.init(params), params).as_text()
-  assert "stablehlo.case" in text
+  if lowering_targets():  # a GPU or TPU here: the kernels guard, and nothing else branches
+    assert "stablehlo.case" not in text
+  else:
+    assert "stablehlo.case" in text
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

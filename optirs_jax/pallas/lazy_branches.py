@@ -25,11 +25,13 @@ True
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from jax._src import core as jax_core
+from jax._src import dispatch
 from jax._src import linear_util as lu
 from jax._src.interpreters import ad, batching
 from jax._src.interpreters import partial_eval as pe
@@ -95,6 +97,11 @@ def _eager(*, branches, default, in_tree, out_tree, **_):
   run = {p: _flat_branch(fn, in_tree, out_tree) for p, fn in branches}
   flat_default = _flat_branch(default, in_tree, out_tree)
   return lambda *flat: jax.lax.platform_dependent(*flat, default=flat_default, **run)
+
+
+# Outside ``jit`` (an optimizer's update called eagerly) the primitive is compiled alone, as
+# jax's own control flow is: lowered for the platform of its operands, as below.
+branch_p.def_impl(functools.partial(dispatch.apply_primitive, branch_p))
 
 
 @branch_p.def_abstract_eval
