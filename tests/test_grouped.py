@@ -114,6 +114,18 @@ def test_plan_closes_a_launch_with_enough_buffers_and_work():
                                 split_pointers=384)) == 1
 
 
+@pytest.mark.parametrize("block_elems", [128, 256, 512, 2048])
+def test_plan_closes_after_the_same_elements_whatever_the_block(block_elems):
+  # The work that closes a launch is 8M elements (8192 blocks of 1024), not a block count:
+  # with 256-element blocks, 2000 leaves of 16K stay 10 equal launches of 200 leaves (7
+  # buffers a leaf, at most 1512 a launch), not 16 of at most 128.
+  plan = functools.partial(plan_grouped_calls, operands_per_leaf=7, max_pointers=1512)
+  for sizes in ([16 * 1024] * 2000, [1024 * 1024] * 40, [1000, 3 * 2**20 + 5] * 30):
+    want = [c.leaves for c in plan(sizes, block_elems=1024)]
+    assert [c.leaves for c in plan(sizes, block_elems=block_elems)] == want
+  assert [len(c.leaves) for c in plan([16 * 1024] * 2000, block_elems=block_elems)] == [200] * 10
+
+
 def _longest_repeat_brute_force(sizes):
   """Every (a, b, period) with at least two periods, checked element by element: the
   longest, then the smallest period, then the first."""

@@ -1,20 +1,21 @@
 """Launch-plan variants of the grouped kernel, named by one string, for the benchmarks that
 time or compile them side by side (``benchmarks/grouped_tiling.py``, ``xla_sass.py``).
 
-A spec is ``MAX[/SPLIT[/BLOCKS]][:greedy][:branch][:select][:stream]``: the buffers a launch holds
-at most (``ExecutorOptions.grouped_max_buffers``), and those and the blocks after which it
-closes (``plan_grouped_calls``'s ``split_pointers``, default ``MAX``, and ``split_blocks``,
-default the planner's); ``:greedy`` cuts without following repeated runs of leaves
-(``repeat=False``), ``:branch`` puts one branch per leaf around its loads and stores
-instead of the leaf table (``grouped.POINTER_SELECT = False``), ``:select`` leaves the
-leaf table's search unmarked, so the compilers flatten it into selects over every leaf's
-pointers (``leaf_table.MARKED_BRANCHES = False``), ``:stream`` gives the leaf table's loads
-and stores the evict-first cache hint (``leaf_table.STREAMING_HINTS = True``).
+A spec is ``MAX[/SPLIT[/BLOCKS]][:greedy][:branch][:select][:stream]``: the buffers a launch
+holds at most (``ExecutorOptions.grouped_max_buffers``), and those and the blocks after
+which it closes (``plan_grouped_calls``'s ``split_pointers``, default ``MAX``, and
+``split_blocks``, default the planner's: ``SPLIT_ELEMENTS`` elements in blocks); ``:greedy``
+cuts without following repeated runs of leaves (``repeat=False``), ``:branch`` puts one
+branch per leaf around its loads and stores instead of the leaf table
+(``grouped.POINTER_SELECT = False``), ``:select`` leaves the leaf table's search unmarked,
+so the compilers flatten it into selects over every leaf's pointers
+(``leaf_table.MARKED_BRANCHES = False``), ``:stream`` gives the leaf table's loads and
+stores the evict-first cache hint (``leaf_table.STREAMING_HINTS = True``).
 
 >>> v = PlanVariant.parse("1512/112:select")
 >>> (v.max_pointers, v.split_pointers, v.split_blocks, v.repeat, v.pointer_select, v.marked,
 ...  v.streaming)
-(1512, 112, 8192, True, True, False, False)
+(1512, 112, None, True, True, False, False)
 >>> PlanVariant.parse("384:fast")
 Traceback (most recent call last):
 ...
@@ -31,7 +32,7 @@ import jax
 
 from optirs_jax.pallas import dispatch, grouped, leaf_table
 from optirs_jax.pallas.options import ExecutorOptions
-from optirs_jax.planning.layout import SPLIT_BLOCKS, plan_grouped_calls
+from optirs_jax.planning.layout import plan_grouped_calls
 
 FLAGS = ("greedy", "branch", "select", "stream")
 
@@ -40,7 +41,7 @@ FLAGS = ("greedy", "branch", "select", "stream")
 class PlanVariant:
   max_pointers: int
   split_pointers: int
-  split_blocks: int = SPLIT_BLOCKS
+  split_blocks: int | None = None
   repeat: bool = True
   pointer_select: bool = True
   marked: bool = True
@@ -54,7 +55,7 @@ class PlanVariant:
       raise ValueError(f"unknown plan flags {unknown} in {spec!r}; valid: {', '.join(FLAGS)}")
     try:
       pointers, split, blocks = (bounds.split("/") + [None, None])[:3]
-      return cls(int(pointers), int(split or pointers), int(blocks or SPLIT_BLOCKS),
+      return cls(int(pointers), int(split or pointers), int(blocks) if blocks else None,
                  repeat="greedy" not in flags, pointer_select="branch" not in flags,
                  marked="select" not in flags, streaming="stream" in flags)
     except ValueError:

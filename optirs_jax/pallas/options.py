@@ -95,7 +95,11 @@ class ExecutorOptions:
     cuda_tiling, tpu_tiling: the packed and in-place kernels' geometry per platform.
     interpret_tiling: the geometry in interpret mode; ``None`` takes ``cuda_tiling``, so
       tests on a CPU run the GPU's layout.
-    grouped_tiling: the grouped kernel's geometry (1-D blocks).
+    grouped_tiling: the grouped kernel's geometry (1-D blocks). 256-element blocks, 4 warps:
+      on an H200 (runs 38-39), 2000 leaves of 16K Adam at 85.4-85.5% of copy against 83.5%
+      with 512 and 79.0% with 1024 (each launch's ramp and drain weigh less with shorter
+      programs; 128 elements: 78.3%), GPT-2 Adam, LAMB and the master-weights step within
+      0.8% of the 1024-element blocks'.
     grouped_max_buffers: the operand buffers one grouped launch holds at most (Adam's fused
       apply: 7 a leaf). Fewer, bigger launches run closer to the copy bandwidth, but the
       Triton compile of a launch grows faster than its leaves (H200, Adam on 2000 leaves of
@@ -123,7 +127,7 @@ class ExecutorOptions:
   cuda_tiling: Tiling = Tiling(block_rows=32, num_warps=4)
   tpu_tiling: Tiling = Tiling(block_rows=512)
   interpret_tiling: Tiling | None = None
-  grouped_tiling: Tiling = Tiling(block_rows=8, num_warps=4, flat=True)
+  grouped_tiling: Tiling = Tiling(block_rows=2, num_warps=4, flat=True)
   grouped_max_buffers: int = 1512
   quantized_tiling: Tiling = Tiling(block_rows=1, num_warps=2)
   gpu_kernels: str = "triton"

@@ -153,7 +153,8 @@ def plan_layout(sizes: Sequence[int], keys: Sequence[Hashable], *, block_elems: 
 # CUDA 12.1 on Volta or newer the space is 32 KB: room for 4000 buffers.
 MAX_POINTERS_PER_CALL = 384
 MAX_POINTERS_PER_CALL_32KB = 4000
-# A launch also closes once it holds this many buffers and SPLIT_BLOCKS blocks: a bigger
+# A launch also closes once it holds this many buffers and SPLIT_ELEMENTS elements (in whole
+# blocks; 8192 blocks of 1024, where it was measured): a bigger
 # launch saves little per step, but its Triton compile grows with its leaves (H200, GPT-2
 # Adam: first call 24.8 s with 3 launches of 384 buffers, 12.8 s with 10 of 112, the same
 # kernel time; runs 25-26: a distinct launch of 12 leaves compiles in 0.6 s, of 24 in 1.1-
@@ -161,7 +162,7 @@ MAX_POINTERS_PER_CALL_32KB = 4000
 # small leaves still fill the pointer budget, where each launch's fixed cost matters and
 # equal launches compile once.
 SPLIT_POINTERS = 112
-SPLIT_BLOCKS = 8192
+SPLIT_ELEMENTS = 8192 * 1024
 # A grouped kernel indexes a leaf's elements with 32-bit integers.
 MAX_GROUPED_LEAF_ELEMENTS = 2**31 - 1
 
@@ -221,7 +222,7 @@ def repeating_stretch(sizes: Sequence[int], min_repeats: int = 2) -> tuple[int, 
 def plan_grouped_calls(sizes: Sequence[int], *, block_elems: int, operands_per_leaf: int,
                        max_pointers: int = MAX_POINTERS_PER_CALL,
                        max_blocks: int = 2**31 - 1, split_pointers: int = SPLIT_POINTERS,
-                       split_blocks: int = SPLIT_BLOCKS,
+                       split_blocks: int | None = None,
                        repeat: bool = True) -> tuple[GroupedCall, ...]:
   """Splits leaves, in order, into grouped kernel launches.
 
@@ -229,7 +230,8 @@ def plan_grouped_calls(sizes: Sequence[int], *, block_elems: int, operands_per_l
   argument space (``operands_per_leaf`` pointers per leaf, at most ``max_pointers``) and by
   the grid size (``max_blocks`` programs). It also closes once it holds
   ``split_pointers`` buffers and ``split_blocks`` blocks (enough work that more leaves
-  would mostly add compile time). Zero-size leaves are left out; a leaf of more than
+  would mostly add compile time; default: ``SPLIT_ELEMENTS`` elements' worth, whatever the
+  block size). Zero-size leaves are left out; a leaf of more than
   ``MAX_GROUPED_LEAF_ELEMENTS`` elements is an error (its indices would overflow).
 
   With ``repeat``, a run of leaves whose sizes repeat a period (:func:`repeating_stretch`:
@@ -256,6 +258,8 @@ def plan_grouped_calls(sizes: Sequence[int], *, block_elems: int, operands_per_l
   if operands_per_leaf <= 0 or operands_per_leaf > max_pointers:
     raise ValueError(f"{operands_per_leaf=} must be between 1 and {max_pointers=}")
   per_call = max_pointers // operands_per_leaf
+  if split_blocks is None:
+    split_blocks = -(-SPLIT_ELEMENTS // block_elems)
   blocks: dict[int, int] = {}
   for leaf, size in enumerate(sizes):
     size = int(size)
