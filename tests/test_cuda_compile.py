@@ -24,6 +24,15 @@ from tests import cases
 from tests.test_lowering import KWARGS, OPTIMIZERS, TRITON
 
 
+def _installed(module: str) -> bool:
+  """Whether ``module`` can be imported; a missing parent package (no ``jax_plugins`` at
+  all, as in a fresh environment) is not installed either, where find_spec would raise."""
+  try:
+    return importlib.util.find_spec(module) is not None
+  except ModuleNotFoundError:
+    return False
+
+
 def _ptxas() -> str | None:
   cuda = os.environ.get("CUDA_HOME", "/usr/local/cuda")
   found = shutil.which("ptxas") or os.path.join(cuda, "bin", "ptxas")
@@ -33,7 +42,7 @@ def _ptxas() -> str | None:
 @pytest.fixture(scope="module")
 def h200():
   """(a one-device mesh of a compile-only H200, the abstract mesh Pallas lowers under)."""
-  if not any(importlib.util.find_spec(f"jax_plugins.xla_cuda{v}") for v in (12, 13)):
+  if not any(_installed(f"jax_plugins.xla_cuda{v}") for v in (12, 13)):
     pytest.skip("jax's CUDA plugin is not installed (.ci/run installs jax-cuda13-plugin)")
   if _ptxas() is None:
     pytest.skip("no ptxas (the CUDA toolkit) on this machine for XLA's CUDA compile")
