@@ -1,5 +1,7 @@
 """Bad input gets a clear error that names the bad value, and loses nothing."""
 
+import collections
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -60,8 +62,11 @@ def test_negative_learning_rate_is_accepted_as_in_optax():
 def test_grads_with_another_structure():
   opt = optirs_jax.adam(1e-3)
   state = opt.init(PARAMS)
-  with pytest.raises(ValueError, match="state.mu do not have the structure of the updates"):
+  with pytest.raises(ValueError, match=r"the updates have no leaf \['b'\], which state.mu have"):
     opt.update({"w": jnp.ones((3, 4))}, state)
+  with pytest.raises(ValueError, match="state.mu do not have the structure of the updates"):
+    # The same key paths in another container: both structures shown.
+    opt.update(collections.OrderedDict(b=jnp.zeros(4), w=jnp.ones((3, 4))), state)
 
 
 def test_grads_with_another_shape_name_the_leaf():

@@ -27,9 +27,12 @@ def check_number(fn: str, name: str, value: Any, *, allow_none: bool = False) ->
 
 
 def check_unit_interval(fn: str, name: str, value: Any) -> None:
-  """A number (or scalar array) in [0, 1), such as a decay rate; traced values pass."""
+  """A number (or scalar array) in [0, 1), such as a decay rate; traced values pass (one
+  rule for every optimizer: a rate of 1 divides by a zero bias correction)."""
   check_number(fn, name, value)
-  if isinstance(value, numbers.Real) and not 0 <= value < 1:
+  if isinstance(value, jax.core.Tracer):
+    return
+  if not 0 <= float(value) < 1:
     raise ValueError(f"{fn}: {name}={value!r} must be in [0, 1)")
 
 
@@ -98,6 +101,38 @@ def check_executor_options(fn: str, options: Any) -> ExecutorOptions:
   return options
 
 
+def key_paths(tree, is_leaf=None) -> list[str]:
+  """The key paths of ``tree``'s leaves as text (``"['w']"``; ``"<root>"`` for a bare leaf)."""
+  with_paths = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]
+  return [jax.tree_util.keystr(p) or "<root>" for p, _ in with_paths]
+
+
+def _some(paths: Sequence[str]) -> str:
+  shown = ", ".join(paths[:5])
+  return shown + (f" and {len(paths) - 5} more" if len(paths) > 5 else "")
+
+
+def structure_mismatch(fn: str, what: str, tree, ref_paths: Sequence[str], ref_what: str,
+                       ref_treedef=None, is_leaf=None) -> str:
+  """The message for a ``tree`` whose structure is not the reference's: the key paths one
+  has and the other lacks, else (the same paths, other node types) both structures."""
+  have = key_paths(tree, is_leaf)
+  extra = [p for p in have if p not in set(ref_paths)]
+  missing = [p for p in ref_paths if p not in set(have)]
+  if missing or extra:
+    parts = []
+    if missing:
+      parts.append(f"{what} have no leaf {_some(missing)}, which the {ref_what} have")
+    if extra:
+      parts.append(f"the {ref_what} have no leaf {_some(extra)}, which {what} have")
+    hint = (" (was the state made by init() for other params?)" if what.startswith("state")
+            else "")
+    return f"{fn}: " + "; ".join(parts) + hint
+  ref = ref_treedef if ref_treedef is not None else "?"
+  return (f"{fn}: {what} do not have the structure of the {ref_what}: "
+          f"{what} {_describe(tree)} vs {ref_what} {ref}")[:800]
+
+
 def _describe(tree) -> str:
   text = str(jax.tree.structure(tree))
   return text if len(text) <= 300 else text[:300] + "..."
@@ -123,8 +158,7 @@ def match(fn: str, what: str, tree, treedef, ref_leaves: Sequence, paths: Sequen
   """Leaves of ``tree``, checked to have ``treedef`` and the shapes of ``ref_leaves``."""
   leaves, tdef = jax.tree.flatten(tree)
   if tdef != treedef:
-    raise ValueError(f"{fn}: {what} do not have the structure of the {ref_what}: "
-                     f"{what} {_describe(tree)} vs {ref_what} {treedef}"[:800])
+    raise ValueError(structure_mismatch(fn, what, tree, paths, ref_what, treedef))
   for x, r, path in zip(leaves, ref_leaves, paths):
     if not hasattr(x, "shape") or x.shape != r.shape:
       raise ValueError(f"{fn}: {what} leaf {path} has shape {getattr(x, 'shape', None)} but the "
