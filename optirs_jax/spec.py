@@ -85,7 +85,8 @@ class OptimizerSpec:
     name: the optimizer's name (its kernels are named after it).
     arguments: ``(name, kind)`` of each argument of the public function besides
       ``backend`` and ``executor_options``, checked by kind: ``"schedule"`` (a number, a
-      scalar array or a callable of the count), ``"number"``, ``"optional number"``,
+      scalar array or a callable of the count), ``"number"``, ``"decay rate"`` (a number in
+      [0, 1); a traced one passes), ``"optional number"``,
       ``"flag"``, ``"dtype"`` (``None`` or a floating dtype), ``"mask"``, ``"seed"`` (a
       non-negative 32-bit int) or ``"axes"`` (``None`` or mesh axis names; an
       ``axis_name`` argument sums a reduction's norms over them inside ``shard_map``).

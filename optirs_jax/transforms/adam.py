@@ -38,7 +38,7 @@ ADAM_FIELDS = (Field("mu", dtype="mu_dtype"), Field("nu", dtype="nu_dtype", pad=
 
 ADAMW = OptimizerSpec(
     name="adamw",
-    arguments=(("learning_rate", "schedule"), ("b1", "number"), ("b2", "number"),
+    arguments=(("learning_rate", "schedule"), ("b1", "decay rate"), ("b2", "decay rate"),
                ("eps", "number"), ("eps_root", "number"), ("mu_dtype", "dtype"),
                ("nu_dtype", "dtype"), ("weight_decay", "schedule"), ("mask", "mask"),
                ("nesterov", "flag")) + ROUNDING,

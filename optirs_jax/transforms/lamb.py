@@ -15,7 +15,7 @@ from optirs_jax.transforms.adam import ADAM_FIELDS, ADAM_HYPER, AdamState, adam_
 
 LAMB = OptimizerSpec(
     name="lamb",
-    arguments=(("learning_rate", "schedule"), ("b1", "number"), ("b2", "number"),
+    arguments=(("learning_rate", "schedule"), ("b1", "decay rate"), ("b2", "decay rate"),
                ("eps", "number"), ("eps_root", "number"), ("mu_dtype", "dtype"),
                ("nu_dtype", "dtype"), ("weight_decay", "schedule"), ("mask", "mask"),
                ("axis_name", "axes")) + ROUNDING,

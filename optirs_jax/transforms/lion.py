@@ -22,7 +22,7 @@ class LionState(NamedTuple):
 
 LION = OptimizerSpec(
     name="lion",
-    arguments=(("learning_rate", "schedule"), ("b1", "number"), ("b2", "number"),
+    arguments=(("learning_rate", "schedule"), ("b1", "decay rate"), ("b2", "decay rate"),
                ("mu_dtype", "dtype"), ("weight_decay", "schedule"), ("mask", "mask")) + ROUNDING,
     state=LionState,
     fields=(Field("mu", dtype="mu_dtype"),),

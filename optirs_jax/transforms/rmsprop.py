@@ -32,7 +32,7 @@ def _scalars(o, count) -> dict:
 
 RMSPROP = OptimizerSpec(
     name="rmsprop",
-    arguments=(("learning_rate", "schedule"), ("decay", "number"), ("eps", "number"),
+    arguments=(("learning_rate", "schedule"), ("decay", "decay rate"), ("eps", "number"),
                ("initial_scale", "number"), ("eps_in_sqrt", "flag"), ("centered", "flag"),
                ("momentum", "optional number"), ("nesterov", "flag"),
                ("bias_correction", "flag"), ("nu_dtype", "dtype")) + ROUNDING,
