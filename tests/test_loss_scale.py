@@ -84,12 +84,13 @@ def test_loss_scales_are_pytrees_under_jit():
 @pytest.mark.parametrize("make, match", [
     (lambda: mp.DynamicLossScale(0.0), "loss_scale=0.0 must be positive"),
     (lambda: mp.DynamicLossScale(-2.0), "loss_scale=-2.0 must be positive"),
-    (lambda: mp.DynamicLossScale(1.0, period=0), "period=0 must be an int >= 1"),
+    (lambda: mp.DynamicLossScale(1.0, period=0), "period=0 must be a whole number >= 1"),
+    (lambda: mp.DynamicLossScale(1.0, period=2.5), "period=2.5 must be a whole number >= 1"),
     (lambda: mp.DynamicLossScale(1.0, factor=0.5), "factor=0.5 must be a number >= 1"),
-    (lambda: mp.DynamicLossScale(1.0, min_loss_scale=0), "min_loss_scale=0 must be positive"),
-    (lambda: mp.StaticLossScale(-1), "loss_scale=-1 must be positive"),
-    (lambda: mp.get_policy("params=float32,compute=bf17"), "unknown dtype 'bf17'.*valid"),
-    (lambda: mp.get_policy("q=f32"), "unknown key 'q'.*valid keys"),
+    (lambda: mp.DynamicLossScale(1.0, min_loss_scale=-1.0), "min_loss_scale=-1.0 must be >= 0"),
+    (lambda: mp.StaticLossScale(-1.0), "loss_scale=-1.0 must be >= 0"),
+    (lambda: mp.get_policy("params=float32,compute=bf17"), "Unknown dtype 'bf17'.*valid"),
+    (lambda: mp.get_policy("q=f32"), "Unknown key 'q'.*valid keys"),
     (lambda: mp.get_policy(""), "must be a non-empty string"),
     (lambda: mp.get_policy("p=f32=f16"), "is not key=dtype"),
 ])
@@ -110,7 +111,7 @@ def test_policy_strings(text):
   policy = mp.get_policy(text)
   assert (policy.param_dtype, policy.compute_dtype, policy.output_dtype) == (
       jnp.float32, jnp.bfloat16, jnp.float32)
-  assert str(policy) == "params=float32,compute=bfloat16,output=float32"
+  assert str(policy) == "p=full,c=bf16,o=full"  # jmp's short form, read back as is
   assert mp.get_policy(str(policy)) == policy
 
 
@@ -138,5 +139,7 @@ def test_all_finite_and_select_tree():
   with pytest.raises(ValueError, match=r"leaf \['x'\] is float32\[2\] in one tree and "
                                        r"bfloat16\[2\]"):
     mp.select_tree(jnp.array(True), a, {"x": jnp.zeros(2, jnp.bfloat16), "y": jnp.ones(())})
-  with pytest.raises(ValueError, match="pred must be a boolean scalar"):
+  with pytest.raises(ValueError, match="expected boolean scalar"):
+    mp.select_tree(jnp.ones(2, bool), a, b)
+  with pytest.raises(AssertionError, match="expected boolean scalar"):  # what jmp raises
     mp.select_tree(jnp.ones(2, bool), a, b)

@@ -8,7 +8,11 @@ transformation and usable from Flax and Haiku (casting itself is ``astype``):
 * :func:`with_loss_scaling`: an optimizer wrapper that unscales the gradients, skips
   non-finite steps and adjusts the scale (:func:`loss_scale_of`, :func:`skipped_steps_of`);
 * :func:`master_weights`: float32 master copies of half-precision params;
-* :class:`Policy` and :func:`get_policy` (jmp's ``"params=f32,compute=bf16,output=f32"``).
+* :class:`Policy` and :func:`get_policy` (jmp's ``"params=f32,compute=bf16,output=f32"``),
+  :func:`half_dtype`, :func:`cast_to_full`, :func:`cast_to_half`.
+
+A drop-in for jmp: jmp 0.0.4's own test files pass against this module
+(``tests/test_jmp_suite.py``).
 
 Low-precision optimizer state is a keyword of the optimizers themselves (``mu_dtype``,
 ``nu_dtype``, ``accumulator_dtype``, ``stochastic_rounding``).
@@ -41,11 +45,19 @@ from optirs_jax.mixed_precision._loss_scale import (
   DynamicLossScale,
   LossScale,
   NoOpLossScale,
+  PredicateError,
   StaticLossScale,
   all_finite,
   select_tree,
 )
-from optirs_jax.mixed_precision._policy import Policy, get_policy
+from optirs_jax.mixed_precision._policy import (
+  Policy,
+  cast_to_full,
+  cast_to_half,
+  dtype_to_names,
+  get_policy,
+  half_dtype,
+)
 from optirs_jax.mixed_precision._wrappers import (
   LossScalingState,
   MasterWeightsState,
@@ -56,6 +68,7 @@ from optirs_jax.mixed_precision._wrappers import (
 )
 
 __all__ = ["DynamicLossScale", "LossScale", "LossScalingState", "MasterWeightsState",
-           "NoOpLossScale", "Policy", "StaticLossScale", "all_finite", "get_policy",
+           "NoOpLossScale", "Policy", "PredicateError", "StaticLossScale", "all_finite",
+           "cast_to_full", "cast_to_half", "dtype_to_names", "get_policy", "half_dtype",
            "loss_scale_of", "master_weights", "select_tree", "skipped_steps_of",
            "with_loss_scaling"]

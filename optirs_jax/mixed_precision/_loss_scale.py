@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.util
+import numbers
+import warnings
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from optirs_jax.dtypes import widened
 
@@ -20,10 +24,33 @@ def _concrete(x) -> float | None:
     return None
 
 
-def _check_positive(cls: str, name: str, value) -> None:
+def _check_at_least(cls: str, name: str, value, low: float, *, strict: bool) -> None:
   v = _concrete(value)
-  if v is not None and not v > 0:
-    raise ValueError(f"{cls}: {name}={value!r} must be positive")
+  if v is not None and not (v > low if strict else v >= low):
+    rule = "positive" if strict else f">= {low:g}"
+    raise ValueError(f"{cls}: {name}={value!r} must be {rule}")
+
+
+def _warn_if_not_floating(x, name: str) -> None:
+  """jmp's warning for an integer scale. Only numbers and arrays are checked: a pytree is
+  also unflattened with placeholders in its leaves (JAX's, orbax's)."""
+  if isinstance(x, (bool, np.bool_)) or not isinstance(
+      x, (numbers.Number, np.ndarray, np.generic, jax.Array)):
+    return
+  dtype = x.dtype if hasattr(x, "dtype") else jnp.result_type(x)
+  if not jnp.issubdtype(dtype, jnp.floating):
+    warnings.warn(f"Expected floating type for {name}, got {dtype}", stacklevel=4)
+
+
+def _static_float(cls: str, name: str, value):
+  """A static setting (it keys the compiled step) as a Python number: a concrete array is
+  converted; a traced one is an error."""
+  if isinstance(value, (int, float)) and not isinstance(value, bool):
+    return value
+  v = _concrete(value)
+  if v is None:
+    raise ValueError(f"{cls}: {name}={value!r} must be a concrete number (it is static)")
+  return v
 
 
 def _widen(x: jax.Array) -> jax.Array:
@@ -46,15 +73,16 @@ def _times(tree, factor):
   return jax.tree.map(times, tree)
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["loss_scale"],
-                   meta_fields=[])
+@functools.partial(jax.tree_util.register_dataclass, data_fields=[],
+                   meta_fields=["loss_scale"])
 @dataclasses.dataclass(frozen=True)
 class StaticLossScale:
   """A fixed loss scale: ``scale`` multiplies, ``unscale`` divides, ``adjust`` keeps it.
 
-  >>> import jax.numpy as jnp
+  As in jmp, a pytree without leaves: the scale is a static number (a concrete array is
+  taken as its value), so a step compiles for it.
 
-from optirs_jax.dtypes import widened
+  >>> import jax.numpy as jnp
   >>> ls = StaticLossScale(128.0)
   >>> ls.scale(jnp.float32(2.0)), ls.unscale(jnp.float16(256.0)).dtype
   (Array(256., dtype=float32), dtype('float32'))
@@ -63,7 +91,9 @@ from optirs_jax.dtypes import widened
   loss_scale: Any
 
   def __post_init__(self):
-    _check_positive("StaticLossScale", "loss_scale", self.loss_scale)
+    object.__setattr__(self, "loss_scale",
+                       _static_float("StaticLossScale", "loss_scale", self.loss_scale))
+    _check_at_least("StaticLossScale", "loss_scale", self.loss_scale, 0.0, strict=False)
 
   def scale(self, tree):
     """``tree * loss_scale`` (floating leaves in float32 or wider)."""
@@ -111,15 +141,14 @@ class DynamicLossScale:
   its leaves), so it can live in an optimizer state under ``jax.jit``.
 
   Args:
-    loss_scale: the current scale (> 0).
+    loss_scale: the current scale (> 0; a float, as in jmp: an integer one warns).
     counter: finite steps since the last change.
-    period: finite steps before the scale grows (>= 1).
+    period: finite steps before the scale grows (a whole number >= 1).
     factor: the growth and backoff factor (>= 1).
-    min_loss_scale: the floor of the scale (> 0); it holds under ``jax.jit``.
+    min_loss_scale: the floor of the scale (>= 0; a float: an integer one warns); it holds
+      under ``jax.jit``.
 
   >>> import jax.numpy as jnp
-
-from optirs_jax.dtypes import widened
   >>> ls = DynamicLossScale(2.0**15, period=2)
   >>> ls = ls.adjust(jnp.array(True)).adjust(jnp.array(True))
   >>> float(ls.loss_scale), int(ls.counter)
@@ -135,12 +164,18 @@ from optirs_jax.dtypes import widened
   min_loss_scale: float = 1.0
 
   def __post_init__(self):
-    _check_positive("DynamicLossScale", "loss_scale", self.loss_scale)
-    _check_positive("DynamicLossScale", "min_loss_scale", self.min_loss_scale)
-    if isinstance(self.period, bool) or not isinstance(self.period, int) or self.period < 1:
-      raise ValueError(f"DynamicLossScale: period={self.period!r} must be an int >= 1")
-    if _concrete(self.factor) is None or _concrete(self.factor) < 1:
-      raise ValueError(f"DynamicLossScale: factor={self.factor!r} must be a number >= 1")
+    cls = "DynamicLossScale"
+    _warn_if_not_floating(self.loss_scale, "loss_scale")
+    _warn_if_not_floating(self.min_loss_scale, "min_loss_scale")
+    _check_at_least(cls, "loss_scale", self.loss_scale, 0.0, strict=True)
+    for name in ("period", "factor", "min_loss_scale"):  # static: they key the step
+      object.__setattr__(self, name, _static_float(cls, name, getattr(self, name)))
+    _check_at_least(cls, "min_loss_scale", self.min_loss_scale, 0.0, strict=False)
+    if isinstance(self.period, bool) or self.period != int(self.period) or self.period < 1:
+      raise ValueError(f"{cls}: period={self.period!r} must be a whole number >= 1")
+    object.__setattr__(self, "period", int(self.period))
+    if self.factor < 1:
+      raise ValueError(f"{cls}: factor={self.factor!r} must be a number >= 1")
 
   def scale(self, tree):
     """``tree * loss_scale`` (floating leaves in float32 or wider)."""
@@ -173,8 +208,6 @@ def all_finite(tree) -> jax.Array:
   """A boolean scalar: whether every element of every leaf is finite (True for no leaves).
 
   >>> import jax.numpy as jnp
-
-from optirs_jax.dtypes import widened
   >>> bool(all_finite({"a": jnp.ones(3), "b": jnp.array([1.0, jnp.inf])}))
   False
   """
@@ -183,19 +216,22 @@ from optirs_jax.dtypes import widened
   return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
 
 
+class PredicateError(ValueError, AssertionError):
+  """A predicate that is not a boolean scalar: a ValueError, and the AssertionError jmp's
+  ``select_tree`` raises, so code written for either catches it."""
+
+
 def select_tree(pred, a, b):
   """``a`` where the boolean scalar ``pred`` is True, else ``b`` (trees of one structure).
 
   >>> import jax.numpy as jnp
-
-from optirs_jax.dtypes import widened
   >>> select_tree(jnp.array(False), {"x": jnp.ones(2)}, {"x": jnp.zeros(2)})["x"]
   Array([0., 0.], dtype=float32)
   """
   pred = jnp.asarray(pred)
   if pred.ndim != 0 or pred.dtype != jnp.bool_:
-    raise ValueError("select_tree: pred must be a boolean scalar; got "
-                     f"{pred.dtype}{list(pred.shape)}")
+    raise PredicateError("select_tree: expected boolean scalar as pred; got "
+                         f"{pred.dtype}{list(pred.shape)}")
   ta, tb = jax.tree.structure(a), jax.tree.structure(b)
   if ta != tb:
     raise ValueError(f"select_tree: the two trees differ in structure: {ta} vs {tb}"[:600])
@@ -208,3 +244,32 @@ from optirs_jax.dtypes import widened
     return jax.lax.select(pred, x, y)
 
   return jax.tree_util.tree_map_with_path(pick, a, b)
+
+
+def _register_with_flax_serialization() -> None:
+  """Teaches ``flax.serialization`` the loss scales (it knows only its own pytrees, dicts,
+  lists and NamedTuples), where flax is installed: ``to_bytes``/``from_bytes`` of a state
+  holding one then round-trip. The static settings (period, factor, the static scale) come
+  from the target, as the structure does."""
+  if importlib.util.find_spec("flax") is None:
+    return
+  from flax import serialization
+
+  def dynamic_to(ls):
+    return {"loss_scale": serialization.to_state_dict(ls.loss_scale),
+            "counter": serialization.to_state_dict(ls.counter)}
+
+  def dynamic_from(target, state):
+    return dataclasses.replace(
+        target, loss_scale=serialization.from_state_dict(target.loss_scale,
+                                                          state["loss_scale"], "loss_scale"),
+        counter=serialization.from_state_dict(target.counter, state["counter"], "counter"))
+
+  serialization.register_serialization_state(DynamicLossScale, dynamic_to, dynamic_from,
+                                             override=True)
+  for cls in (StaticLossScale, NoOpLossScale):  # no arrays: the target is the value
+    serialization.register_serialization_state(cls, lambda ls: {},
+                                               lambda target, state: target, override=True)
+
+
+_register_with_flax_serialization()

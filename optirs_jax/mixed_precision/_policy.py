@@ -8,12 +8,37 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-_DTYPES = {
-    "bf16": jnp.bfloat16, "bfloat16": jnp.bfloat16,
-    "f16": jnp.float16, "float16": jnp.float16, "half": jnp.float16,
-    "f32": jnp.float32, "float32": jnp.float32, "full": jnp.float32, "single": jnp.float32,
-    "f64": jnp.float64, "float64": jnp.float64, "double": jnp.float64,
-}
+
+class _ByDtype(dict):
+  """A dict keyed by dtype that takes any spelling of one (``np.float16``,
+  ``jnp.float16``, ``np.dtype("float16")``) as its key."""
+
+  def __missing__(self, key):
+    try:
+      canonical = jnp.dtype(key)
+    except TypeError:
+      raise KeyError(key) from None
+    for k, v in self.items():
+      if jnp.dtype(k) == canonical:
+        return v
+    raise KeyError(key)
+
+  def __contains__(self, key) -> bool:
+    try:
+      self[key]
+    except KeyError:
+      return False
+    return True
+
+
+# Each dtype's names, the first being its short form in ``str(policy)`` (jmp's table).
+dtype_to_names = _ByDtype({
+    jnp.bfloat16: ("bf16", "bfloat16"),
+    jnp.float16: ("f16", "float16"),
+    jnp.float32: ("full", "f32", "float32", "single"),
+    jnp.float64: ("f64", "float64", "double"),
+})
+_DTYPES = {name: dtype for dtype, names in dtype_to_names.items() for name in names}
 _KEYS = {"p": "param_dtype", "params": "param_dtype", "c": "compute_dtype",
          "compute": "compute_dtype", "o": "output_dtype", "output": "output_dtype"}
 
@@ -22,7 +47,7 @@ def _cast(tree, dtype):
   """Floating leaves cast to ``dtype``; integer, boolean and other leaves untouched."""
   def cast(x):
     if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating):
-      return jnp.asarray(x).astype(dtype)
+      return x.astype(dtype) if hasattr(x, "astype") else jnp.asarray(x).astype(dtype)
     return x
   return jax.tree.map(cast, tree)
 
@@ -36,7 +61,7 @@ class Policy:
   >>> policy.cast_to_compute({"w": jnp.ones(2), "step": jnp.int32(3)})["w"].dtype
   dtype(bfloat16)
   >>> str(policy)
-  'params=float32,compute=bfloat16,output=float32'
+  'p=full,c=bf16,o=full'
   """
 
   param_dtype: Any
@@ -72,16 +97,48 @@ class Policy:
     return dataclasses.replace(self, output_dtype=dtype)
 
   def __str__(self) -> str:
-    return (f"params={self.param_dtype.name},compute={self.compute_dtype.name},"
-            f"output={self.output_dtype.name}")
+    """jmp's short form, which :func:`get_policy` reads back: ``p=full,c=bf16,o=full``."""
+    short = lambda dt: dtype_to_names[dt][0]
+    return f"p={short(self.param_dtype)},c={short(self.compute_dtype)},o={short(self.output_dtype)}"
+
+
+def half_dtype():
+  """The half-precision dtype of the default backend: bfloat16 on a TPU, else float16 (as
+  jmp's ``half_dtype``).
+
+  >>> half_dtype() in (jnp.float16, jnp.bfloat16)
+  True
+  """
+  return jnp.bfloat16 if jax.local_devices()[0].platform == "tpu" else jnp.float16
+
+
+def cast_to_full(tree):
+  """Floating leaves in float32; other leaves (integers, non-arrays) untouched.
+
+  >>> cast_to_full({"h": jnp.ones(2, jnp.float16), "i": jnp.arange(2)})["h"].dtype
+  dtype('float32')
+  """
+  return _cast(tree, jnp.float32)
+
+
+def cast_to_half(tree):
+  """Floating leaves in :func:`half_dtype`; other leaves untouched.
+
+  >>> cast_to_half({"f": jnp.ones(2)})["f"].dtype in (jnp.float16, jnp.bfloat16)
+  True
+  """
+  return _cast(tree, half_dtype())
 
 
 def _parse_dtype(text: str, policy: str):
+  name = text.strip().lower()
+  if name == "half":
+    return half_dtype()
   try:
-    return _DTYPES[text.strip().lower()]
+    return _DTYPES[name]
   except KeyError:
-    raise ValueError(f"unknown dtype {text.strip()!r} in policy {policy!r}; valid dtypes are "
-                     f"{sorted(_DTYPES)}") from None
+    raise ValueError(f"Unknown dtype {text.strip()!r} in policy {policy!r}; valid dtypes are "
+                     f"{sorted([*_DTYPES, 'half'])}") from None
 
 
 def get_policy(policy: str) -> Policy:
@@ -89,14 +146,15 @@ def get_policy(policy: str) -> Policy:
 
   ``"params=float32,compute=bfloat16,output=float32"``, its short form
   ``"p=f32,c=bf16,o=f32"``, or one dtype for all three (``"bf16"``). Omitted parts default
-  to float32 params, compute in the params' dtype and output in the compute dtype.
+  to float32 params, compute in the params' dtype and output in the compute dtype. A
+  dtype is any name in :data:`dtype_to_names` or ``"half"`` (:func:`half_dtype`).
 
   >>> get_policy("c=f16").output_dtype
   dtype('float16')
   >>> get_policy("p=f32,x=bf16")  # doctest: +ELLIPSIS
   Traceback (most recent call last):
   ...
-  ValueError: unknown key 'x' in policy 'p=f32,x=bf16'; valid keys are ['c', 'compute', ...]
+  ValueError: Unknown key 'x' in policy 'p=f32,x=bf16'; valid keys are ['c', 'compute', ...]
   """
   if not isinstance(policy, str) or not policy.strip():
     raise ValueError(f"policy={policy!r} must be a non-empty string such as "
@@ -110,7 +168,7 @@ def get_policy(policy: str) -> Policy:
       raise ValueError(f"policy {policy!r}: {part.strip()!r} is not key=dtype")
     key, value = (t.strip() for t in part.split("="))
     if key.lower() not in _KEYS:
-      raise ValueError(f"unknown key {key!r} in policy {policy!r}; valid keys are "
+      raise ValueError(f"Unknown key {key!r} in policy {policy!r}; valid keys are "
                        f"{sorted(_KEYS)}")
     parts[_KEYS[key.lower()]] = _parse_dtype(value, policy)
   param = parts.get("param_dtype", jnp.float32)

@@ -37,7 +37,7 @@ class MasterWeightsState(NamedTuple):
   """State of :func:`master_weights`."""
 
   count: jax.Array  # int32: the steps taken (the stochastic rounding's counter)
-  master: Any  # float32 copies of the half-precision params (empty arrays for the others)
+  master: Any  # float32 copies of the half-precision params (optax.MaskedNode() for the others)
   inner_state: Any
 
 
@@ -233,8 +233,10 @@ def master_weights(inner: optax.GradientTransformation, *, stochastic_rounding: 
     return jax.tree.map(lambda p, m: m if _is_half(p) else p, params, master)
 
   def init_fn(params):
+    # No copy of a float32 leaf: optax's MaskedNode, a node without arrays (an empty array
+    # there would stop orbax, which saves no array of zero size).
     master = jax.tree.map(lambda p: p.astype(jnp.float32) if _is_half(p)
-                          else jnp.zeros((0,), jnp.float32), params)
+                          else optax.MaskedNode(), params)
     return MasterWeightsState(jnp.zeros([], jnp.int32), master,
                               inner.init(full(params, master)))
 

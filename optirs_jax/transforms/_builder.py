@@ -34,6 +34,7 @@ from optirs_jax.transforms import _checks as c
 _CHECKS = {
     "schedule": c.check_number_or_schedule,
     "number": c.check_number,
+    "decay rate": c.check_unit_interval,
     "optional number": lambda fn, name, v: c.check_number(fn, name, v, allow_none=True),
     "flag": c.check_flag,
     "dtype": None,  # canonicalized below
@@ -97,7 +98,7 @@ def build(spec: OptimizerSpec,
     p = None if params is None else c.match(fn, "params", params, treedef, g, paths)
     m = None
     if master is not None:  # float32 masters of the half-precision leaves; others ignored
-      m = jax.tree.leaves(master)
+      m = jax.tree.leaves(master, is_leaf=lambda x: isinstance(x, optax.MaskedNode))
       if len(m) != len(g):
         raise ValueError(f"{fn}: the master params have {len(m)} leaves, the updates {len(g)}")
     uses_master = [m is not None and is_half(p[i]) for i in range(len(g))]
