@@ -301,3 +301,70 @@ def test_compressed_training_converges_like_uncompressed():
   assert momentum < sgd < 0.02, (momentum, sgd)
   assert abs(top_k - sgd) <= 0.02 * sgd, (sgd, top_k)
   assert abs(power - momentum) <= 0.02 * momentum, (momentum, power)
+
+
+# 8-bit state: every leaf's last axis a whole number of 256-element blocks on each shard.
+SHAPES_8BIT = {"w": (64, 512), "e": (16, 2048), "b": (2048,), "small": (40,)}
+LAYOUTS_8BIT = {
+    "fsdp": {"w": P(("a", "b")), "e": P("a"), "b": P(("a", "b")), "small": P()},
+    "tp": {"w": P("a", "b"), "e": P(None, ("a", "b")), "b": P("b"), "small": P()},
+}
+
+
+@pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
+@pytest.mark.parametrize("mesh_shape", [(8, 1), (4, 2)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("layout", ["fsdp", "tp"])
+@pytest.mark.parametrize("backend", ["jnp", "pallas"])
+@pytest.mark.parametrize("make", [optirs_jax.adam8bit, optirs_jax.adamw8bit],
+                         ids=lambda f: f.__name__)
+def test_8bit_state_is_sharded_as_the_params_and_nothing_is_gathered(make, backend, layout,
+                                                                     mesh_shape, axis_type):
+  mesh = jax.make_mesh(mesh_shape, ("a", "b"), axis_types=(getattr(AxisType, axis_type),) * 2)
+  specs = LAYOUTS_8BIT[layout]
+  params, grads = tree(0, SHAPES_8BIT), jax.tree.map(lambda x: 0.5 * x + 0.1, tree(1, SHAPES_8BIT))
+  tx = make(1e-2, min_8bit_size=1024, backend=backend)
+  fused = jax.jit(lambda p, s, g: optirs_jax.apply(tx, g, s, p))
+
+  def contract(p, s, g):
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  contract = jax.jit(contract)
+  state = tx.init(params)
+  want = {step: step(params, step(params, state, grads)[1], grads) for step in (fused, contract)}
+  with jax.set_mesh(mesh):
+    p, g = place(params, mesh, specs), place(grads, mesh, specs)
+    s = tx.init(p)  # a plain init of sharded params: the state follows them
+    for moment in (s.mu, s.nu):
+      for k, spec in specs.items():
+        for x in (moment.codes[k], moment.absmax[k]):
+          if not isinstance(x, optax.MaskedNode):
+            assert x.sharding.is_equivalent_to(NamedSharding(mesh, spec), x.ndim), (k, spec)
+    for step in (fused, contract):
+      got = step(p, step(p, s, g)[1], g)
+      chex.assert_trees_all_close(got, want[step], rtol=1e-6, atol=1e-7)
+      for k, spec in specs.items():
+        for x in (got[0][k], got[1].mu.codes[k], got[1].nu.codes[k]):
+          assert x.sharding.is_equivalent_to(NamedSharding(mesh, spec), x.ndim), (k, spec)
+      hlo = step.lower(p, s, g).compile().as_text()
+      assert "all-gather" not in hlo and "all-to-all" not in hlo
+      assert not re.findall(r"all-reduce\(", hlo)
+
+
+@pytest.mark.parametrize("backend", ["jnp", "pallas"])
+def test_8bit_inside_shard_map_runs_on_the_local_shards(backend):
+  mesh = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Explicit,))
+  specs = {"w": P("d"), "e": P("d"), "b": P("d"), "small": P()}
+  params, grads = tree(0, SHAPES_8BIT), jax.tree.map(lambda x: 0.5 * x + 0.1, tree(1, SHAPES_8BIT))
+  tx = optirs_jax.adamw8bit(1e-2, min_8bit_size=1024, backend=backend)
+  want = jax.jit(lambda p, s, g: optirs_jax.apply(tx, g, s, p))(params, tx.init(params), grads)
+  sspec = optirs_jax.quantization.Adam8bitState(
+      P(), *[optirs_jax.quantization.Quantized8bit(
+          specs, {k: (v if k != "small" else optax.MaskedNode()) for k, v in specs.items()})
+          for _ in range(2)])
+  step = jax.jit(jax.shard_map(lambda p, s, g: optirs_jax.apply(tx, g, s, p), mesh=mesh,
+                               in_specs=(specs, sspec, specs), out_specs=(specs, sspec)))
+  with jax.set_mesh(mesh):
+    got = step(place(params, mesh, specs), tx.init(place(params, mesh, specs)),
+               place(grads, mesh, specs))
+  chex.assert_trees_all_close(got, want, rtol=1e-6, atol=1e-7)

@@ -33,21 +33,30 @@ def _np_map(signed: bool) -> np.ndarray:
 
 
 def _np_quantize(x: np.ndarray, signed: bool, block: int):
-  """Nearest code per element after dividing each block by its absmax."""
+  """Nearest code per element after dividing each block by its absmax; the blocks run along
+  the last axis, each row's last one shorter where the row is not a whole number of them.
+  Returns (the values the codes stand for, shaped like x; the absmax, [..., blocks])."""
   table = _np_map(signed)
-  n = x.size
-  nb = -(-n // block)
-  blocks = np.zeros(nb * block, np.float32)
-  blocks[:n] = x.reshape(-1)
-  blocks = blocks.reshape(nb, block)
-  absmax = np.abs(blocks).max(axis=1, keepdims=True)
-  a = blocks / np.where(absmax > 0, absmax, 1)
-  idx = np.abs(a[..., None] - table).argmin(axis=-1)
-  return table[idx] * absmax, absmax[:, 0]
+  x = np.asarray(x, np.float32)
+  out = np.empty_like(x)
+  starts = range(0, x.shape[-1], block)
+  absmax = np.zeros((*x.shape[:-1], len(starts)), np.float32)
+  for j, start in enumerate(starts):
+    blk = x[..., start:start + block]
+    m = np.abs(blk).max(axis=-1, keepdims=True)
+    a = blk / np.where(m > 0, m, 1)
+    out[..., start:start + block] = table[np.abs(a[..., None] - table).argmin(axis=-1)] * m
+    absmax[..., j] = m[..., 0]
+  return out, absmax
 
 
 def _deq(q: Quantized8bit) -> np.ndarray:
   return np.asarray(q.dequantize())
+
+
+def _moment(state, field: str, key: str) -> Quantized8bit:
+  q = getattr(state, field)
+  return Quantized8bit(q.codes[key], q.absmax[key])
 
 
 def test_code_maps_are_the_dynamic_tree_maps():
@@ -68,7 +77,6 @@ def test_quantize_blockwise_picks_a_nearest_code(signed):
   ref, absmax = _np_quantize(x, signed, 256)
   np.testing.assert_allclose(np.asarray(q.absmax), absmax, rtol=0)
   ours = _deq(q)
-  ref = ref.reshape(-1)[:x.size]
   # As near as the numpy nearest code (to the last bit of the map's float32 values).
   err_ours, err_ref = np.abs(ours - x), np.abs(ref - x)
   assert np.all(err_ours <= err_ref + 1e-6 * np.abs(x) + 1e-30)
@@ -81,13 +89,12 @@ def _np_adam8bit_step(p, g, mu, nu, t, *, lr, b1, b2, eps, wd, decoupled, block)
   nu = b2 * nu + (1 - b2) * g * g
   u = (mu / (1 - b1**t)) / (np.sqrt(nu / (1 - b2**t)) + eps)
   u = -lr * (u + (wd * p if decoupled else 0))
-  qmu = _np_quantize(mu, True, block)[0].reshape(-1)[:p.size].reshape(p.shape)
-  qnu = _np_quantize(nu, False, block)[0].reshape(-1)[:p.size].reshape(p.shape)
-  return p + u, qmu, qnu
+  return p + u, _np_quantize(mu, True, block)[0], _np_quantize(nu, False, block)[0]
 
 
 @pytest.mark.parametrize("decoupled, wd", [(False, 0.0), (False, 0.01), (True, 0.05)])
-@pytest.mark.parametrize("shape", [(64, 96), (33, 257)])  # aligned to 256 or not
+# Rows of whole blocks, of one short block, of a whole block and a short one.
+@pytest.mark.parametrize("shape", [(16, 512), (64, 96), (33, 257)])
 def test_steps_match_numpy_reference(decoupled, wd, shape):
   make = adamw8bit if decoupled else adam8bit
   kw = dict(b1=0.9, b2=0.99, eps=1e-8, weight_decay=wd)
@@ -97,12 +104,14 @@ def test_steps_match_numpy_reference(decoupled, wd, shape):
   state = tx.init(params)
   for t in range(1, 6):
     g = (rng.standard_normal(shape) * 10.0 ** rng.uniform(-3, 1)).astype(np.float32)
-    p0, mu0, nu0 = np.asarray(params["w"]), _deq(state.mu["w"]), _deq(state.nu["w"])
+    p0 = np.asarray(params["w"])
+    mu0, nu0 = _deq(_moment(state, "mu", "w")), _deq(_moment(state, "nu", "w"))
     params, state = optirs_jax.apply(tx, {"w": jnp.asarray(g)}, state, params)
     p1, mu1, nu1 = _np_adam8bit_step(p0, g, mu0, nu0, t, lr=1e-2, b1=0.9, b2=0.99, eps=1e-8,
                                      wd=wd, decoupled=decoupled, block=256)
     np.testing.assert_allclose(np.asarray(params["w"]), p1, rtol=1e-5, atol=1e-7)
-    for ours, ref in ((_deq(state.mu["w"]), mu1), (_deq(state.nu["w"]), nu1)):
+    for ours, ref in ((_deq(_moment(state, "mu", "w")), mu1),
+                      (_deq(_moment(state, "nu", "w")), nu1)):
       assert np.mean(np.isclose(ours, ref, rtol=1e-5, atol=0)) > 0.999
       np.testing.assert_allclose(ours, ref, rtol=0.1, atol=1e-12)  # one code step at most
 
@@ -115,7 +124,8 @@ def test_small_leaves_keep_float32_moments_and_equal_optax(make, ref, kw, standa
   params = {"b": jnp.asarray(rng.standard_normal(300), jnp.float32),
             "w": jnp.asarray(rng.standard_normal((20, 30)), jnp.float32)}
   s, os_ = tx.init(params), otx.init(params)
-  assert s.mu["w"].dtype == jnp.float32
+  assert s.mu.codes["w"].dtype == jnp.float32
+  assert isinstance(s.mu.absmax["w"], optax.MaskedNode)
   p, op = params, params
   for _ in range(3):
     g = jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape), jnp.float32), params)
@@ -130,7 +140,7 @@ def test_state_bytes_are_about_a_quarter_of_float32_adam(standard_promotion):
   s8 = adam8bit(1e-3).init(params)
   s32 = optax.adam(1e-3).init(params)
   for k in params:
-    ratio = (s8.mu[k].nbytes + s8.nu[k].nbytes) / (
+    ratio = (_moment(s8, "mu", k).nbytes + _moment(s8, "nu", k).nbytes) / (
         s32[0].mu[k].nbytes + s32[0].nu[k].nbytes)
     assert ratio <= 0.27, (k, ratio)
   assert state_nbytes(s8) <= 0.27 * state_nbytes(s32)
@@ -145,7 +155,7 @@ def test_no_nan_for_tiny_or_huge_gradients(magnitude):
   for _ in range(5):
     g = {"w": jnp.asarray(rng.standard_normal((16, 256)) * magnitude, jnp.float32)}
     params, state = optirs_jax.apply(tx, g, state, params)
-  for x in (params["w"], _deq(state.mu["w"]), _deq(state.nu["w"])):
+  for x in (params["w"], _deq(_moment(state, "mu", "w")), _deq(_moment(state, "nu", "w"))):
     assert np.all(np.isfinite(np.asarray(x)))
   assert float(jnp.max(jnp.abs(params["w"] - 1))) > 1e-4  # it moved: Adam is scale-free
 
@@ -169,12 +179,13 @@ def test_pallas_kernel_equals_reference_and_apply_equals_update(shape):
     # XLA may contract p + (-lr) * x into one fma in one program and not in another: the
     # params agree to float32 rounding, the 8-bit state exactly.
     chex.assert_trees_all_close(p_app, optax.apply_updates(params, u), rtol=1e-6, atol=1e-9)
-    chex.assert_trees_all_equal(s_app.mu["w"], s_upd.mu["w"])
-    chex.assert_trees_all_equal(s_app.nu["w"], s_upd.nu["w"])
+    chex.assert_trees_all_equal(_moment(s_app, "mu", "w"), _moment(s_upd, "mu", "w"))
+    chex.assert_trees_all_equal(_moment(s_app, "nu", "w"), _moment(s_upd, "nu", "w"))
     results[backend] = (u, s_upd)
   chex.assert_trees_all_equal(results["jnp"][0]["w"], results["pallas"][0]["w"])
-  chex.assert_trees_all_equal(results["jnp"][1].mu["w"], results["pallas"][1].mu["w"])
-  chex.assert_trees_all_equal(results["jnp"][1].nu["w"], results["pallas"][1].nu["w"])
+  for field in ("mu", "nu"):
+    chex.assert_trees_all_equal(_moment(results["jnp"][1], field, "w"),
+                                _moment(results["pallas"][1], field, "w"))
   chex.assert_trees_all_close(results["jnp"], results["pallas"], rtol=1e-6, atol=0)
 
 
@@ -205,7 +216,7 @@ def test_mlp_on_digits_ends_within_two_percent_of_float32_adam(standard_promotio
     return [float(v) for v in loss_fn(p, xte, yte)]  # held-out loss and accuracy
 
   tx8 = adam8bit(1e-3)
-  assert isinstance(tx8.init(params).mu["w1"], Quantized8bit)
+  assert tx8.init(params).mu.codes["w1"].dtype == jnp.int8
   (loss8, acc8), (loss32, acc32) = train(tx8), train(optax.adam(1e-3))
   assert acc32 > 0.9
   # Quality: no worse than 2% of float32 Adam's held-out loss, 2 points of its accuracy (the
@@ -268,9 +279,56 @@ def test_codes_round_trip_and_edges_pick_the_nearest(signed):
   probe = np.concatenate([mags, mids, np.nextafter(mids, 0), np.nextafter(mids, 1), edges,
                           np.nextafter(edges, 1)]).astype(np.float32)
   probe = np.clip(probe, 0, 1)
+  n = len(probe) + 1
   q = quantize_blockwise(jnp.asarray(np.concatenate([probe, [1.0]])), signed=signed,
-                         block_size=len(probe) + 1)  # absmax 1: values are the map's
+                         block_size=1 << (n - 1).bit_length())  # one block, absmax 1
   ours = _deq(q)[:-1]
   nearest = table[np.abs(probe[:, None] - table[None]).argmin(axis=1)]
   assert np.all(np.abs(ours - probe) <= np.abs(nearest - probe))
   np.testing.assert_array_equal(ours[:len(mags)], mags)
+
+
+def test_inject_hyperparams_needs_no_static_args(standard_promotion):
+  """The structural ints are not injected by default (their defaults are None), so init and
+  update run under jit; a schedule-like change of the learning rate keeps the numbers of
+  the plain optimizer at that rate."""
+  params = {"w": jnp.ones((16, 256)), "b": jnp.ones(5)}  # "w": 4096 elements, 8-bit
+  grads = jax.tree.map(lambda x: 0.1 * jnp.arange(x.size, dtype=x.dtype).reshape(x.shape),
+                       params)
+  tx = optax.inject_hyperparams(adamw8bit)(learning_rate=1e-2)  # as a user writes it
+  state = jax.jit(tx.init)(params)
+  assert state.inner_state.mu.codes["w"].dtype == jnp.int8
+  u, state = jax.jit(tx.update)(grads, state, params)
+  ref = adamw8bit(1e-2)
+  ref_u, ref_state = ref.update(grads, ref.init(params), params)
+  # Injected hyper-parameters are float32 arrays (1 - b1 rounds in float32, not in Python's
+  # doubles), as for any optax optimizer under inject_hyperparams.
+  chex.assert_trees_all_close(u, ref_u, rtol=1e-5)
+  codes, ref_codes = state.inner_state.mu.codes["w"], ref_state.mu.codes["w"]
+  assert float(jnp.mean(codes == ref_codes)) > 0.999
+
+
+def test_a_traced_structural_int_at_init_says_what_to_do():
+  tx = optax.inject_hyperparams(adamw8bit)(learning_rate=1e-2, block_size=128)
+  params = {"w": jnp.ones((16, 256))}
+  assert tx.init(params).inner_state.mu.absmax["w"].shape == (16, 2)  # concrete: taken
+  with pytest.raises(ValueError, match=r"block_size=.* static_args=\('block_size',\)"):
+    jax.jit(tx.init)(params)
+
+
+def test_adamw8bit_defaults_are_optax_adamw_defaults():
+  import inspect
+  ours, theirs = inspect.signature(adamw8bit), inspect.signature(optax.adamw)
+  for name in ("b1", "b2", "eps", "weight_decay"):
+    assert ours.parameters[name].default == theirs.parameters[name].default, name
+
+
+def test_state_is_two_trees_of_plain_arrays():
+  tx = adamw8bit(1e-3, min_8bit_size=1024)
+  params = {"w": jnp.ones((8, 256)), "b": jnp.ones(5)}
+  state = tx.init(params)
+  assert state.mu.codes["w"].shape == (8, 256) and state.mu.absmax["w"].shape == (8, 1)
+  assert state.nu.codes["w"].dtype == jnp.uint8 and state.mu.codes["b"].dtype == jnp.float32
+  assert all(isinstance(x, jax.Array) for x in jax.tree.leaves(state))
+  deq = state.mu.dequantize()  # the tree of values, float32 leaves as they are
+  assert deq["w"].shape == (8, 256) and deq["b"] is state.mu.codes["b"]

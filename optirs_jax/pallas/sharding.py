@@ -14,10 +14,17 @@ the kernel executor so that it runs on each device's shard instead:
 
 Elementwise rules need no communication. Per-leaf sums of squares (LAMB's norms) are
 summed over the mesh axes that shard the leaf: a ``psum`` of one scalar per leaf.
+
+Block-wise state (:class:`Blocked`: 8-bit moments) adds operands of another last axis, one
+scale per block of a row: they are partitioned as the leaf is, so each device quantizes
+its own blocks. Where a shard's part of the last axis is not a whole number of blocks, that
+axis is kept whole on each device instead (a block never straddles a shard).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Callable, Sequence
 
 import jax
@@ -85,8 +92,31 @@ def _explicit(x):
 LocalFn = Callable[[jax.Array, list], tuple[list, list]]
 
 
+@dataclasses.dataclass(frozen=True)
+class Blocked:
+  """Leaves cut into blocks of ``block_size`` along their last axis, with per-block scales:
+  the operands (``scale_inputs``) and outputs (``scale_outputs``) at these positions have
+  ``[..., blocks]`` where the others have ``[..., last]``."""
+
+  block_size: int
+  scale_inputs: tuple[int, ...]
+  scale_outputs: tuple[int, ...]
+
+  def spec(self, spec, shape, mesh) -> P:
+    """``spec`` of a leaf of ``shape``, its last axis unpartitioned unless each shard holds
+    whole blocks."""
+    entries = list(spec) + [None] * (len(shape) - len(spec))
+    last = entries[-1]
+    if last is not None:
+      names = last if isinstance(last, tuple) else (last,)
+      if shape[-1] % (math.prod(mesh.shape[n] for n in names) * self.block_size):
+        entries[-1] = None
+    return P(*entries)
+
+
 def run_local(local: LocalFn, hvec: jax.Array, leaves: Sequence[tuple], out_dtypes,
-              n_sums: int, norm_axes: tuple[str, ...] = (), leaf_values=None):
+              n_sums: int, norm_axes: tuple[str, ...] = (), leaf_values=None, *,
+              blocked: Blocked | None = None):
   """Runs ``local(hvec, leaves) -> (outs per leaf, sums of squares per leaf)`` on each
   device's shard of ``leaves``, as the leaves are placed.
 
@@ -102,6 +132,8 @@ def run_local(local: LocalFn, hvec: jax.Array, leaves: Sequence[tuple], out_dtyp
       (their sums are added over them); elsewhere the axes are read from the shardings.
     leaf_values: ``[leaves, scalars per leaf]`` (an op's per-leaf hyper-parameters), or
       None.
+    blocked: block-wise leaves and their scales (:class:`Blocked`); ``None``: every
+      array of a leaf has one shape.
 
   Returns:
     ``(outs, sums)`` for the whole leaves.
@@ -112,10 +144,10 @@ def run_local(local: LocalFn, hvec: jax.Array, leaves: Sequence[tuple], out_dtyp
     hvec = with_leaf_values(hvec, leaf_values)
   explicit = [_explicit(leaf[0]) for leaf in leaves]
   if any(s is not None for s in explicit):
-    return _shard_mapped(local, hvec, leaves, explicit, out_dtypes, n_sums)
+    return _shard_mapped(local, hvec, leaves, explicit, out_dtypes, n_sums, blocked)
   if jax.device_count() == 1:
     return local(hvec, list(leaves))
-  return _partitioned(local, hvec, leaves, out_dtypes, n_sums)
+  return _partitioned(local, hvec, leaves, out_dtypes, n_sums, blocked)
 
 
 def _manual(local, hvec, leaves, n_sums, norm_axes, leaf_values):
@@ -156,9 +188,11 @@ def _unflatten(flat, n_outs: Sequence[int], n_sums: int):
   return outs, sums
 
 
-def _shard_mapped(local, hvec, leaves, shardings, out_dtypes, n_sums):
+def _shard_mapped(local, hvec, leaves, shardings, out_dtypes, n_sums, blocked=None):
   mesh = next(s.mesh for s in shardings if s is not None)
   specs = [s.spec if s is not None else P() for s in shardings]
+  if blocked is not None:
+    specs = [blocked.spec(spec, leaf[0].shape, mesh) for spec, leaf in zip(specs, leaves)]
   n_outs = [len(d) for d in out_dtypes]
 
   def body(hvec, *flat_leaves):
@@ -176,7 +210,7 @@ def _shard_mapped(local, hvec, leaves, shardings, out_dtypes, n_sums):
   return _unflatten(list(flat), n_outs, n_sums)
 
 
-def _partitioned(local, hvec, leaves, out_dtypes, n_sums):
+def _partitioned(local, hvec, leaves, out_dtypes, n_sums, blocked=None):
   n_outs = [len(d) for d in out_dtypes]
   arity = [len(leaf) for leaf in leaves]
 
@@ -191,6 +225,9 @@ def _partitioned(local, hvec, leaves, out_dtypes, n_sums):
 
   def shardings(mesh, arg_shapes):
     leaf_shardings = [arg_shapes[1 + sum(arity[:i])].sharding for i in range(len(leaves))]
+    if blocked is not None:
+      leaf_shardings = [NamedSharding(mesh, blocked.spec(s.spec, leaf[0].shape, mesh))
+                        for s, leaf in zip(leaf_shardings, leaves)]
     replicated = NamedSharding(mesh, P())
     args = (replicated,) + tuple(s for s, n in zip(leaf_shardings, arity) for _ in range(n))
     results = tuple(s for s, n in zip(leaf_shardings, n_outs) for _ in range(n)) + (
@@ -210,10 +247,18 @@ def _partitioned(local, hvec, leaves, out_dtypes, n_sums):
   def infer(mesh, arg_shapes, result_shape):
     return shardings(mesh, arg_shapes)[2]
 
-  factors = [" ".join(f"l{i}d{d}" for d in range(leaf[0].ndim)) for i, leaf in
-             enumerate(leaves)]
-  operands = ["h"] + [f for f, n in zip(factors, arity) for _ in range(n)]
-  results = [f for f, n in zip(factors, n_outs) for _ in range(n)] + [""] * (
+  def factors(i, ndim, scale=False):  # a scale's last axis is a factor of its own
+    names = [f"l{i}d{d}" for d in range(ndim)]
+    if scale:
+      names[-1] = f"l{i}s"
+    return " ".join(names)
+
+  scale_in = blocked.scale_inputs if blocked is not None else ()
+  scale_out = blocked.scale_outputs if blocked is not None else ()
+  operands = ["h"] + [factors(i, leaf[0].ndim, k in scale_in) for i, leaf in enumerate(leaves)
+                      for k in range(len(leaf))]
+  results = [factors(i, leaf[0].ndim, k in scale_out)
+             for i, (leaf, n) in enumerate(zip(leaves, n_outs)) for k in range(n)] + [""] * (
       n_sums * len(leaves))
   op.def_partition(partition=partition, infer_sharding_from_operands=infer,
                    sharding_rule=", ".join(operands) + " -> " + ", ".join(results))

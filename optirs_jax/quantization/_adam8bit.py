@@ -2,20 +2,28 @@
 
 from __future__ import annotations
 
+import functools
 import math
-import numbers
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from optirs_jax.pallas import lazy_branches
+from optirs_jax.pallas import lazy_branches, sharding
 from optirs_jax.pallas.dispatch import lowering_targets
 from optirs_jax.pallas.op import hyper_vector, read_hyper
 from optirs_jax.pallas.options import ExecutorOptions
 from optirs_jax.quantization import _kernel8
-from optirs_jax.quantization._blockwise import Quantized8bit, as_blocks
+from optirs_jax.quantization._blockwise import (
+  Quantized8bit,
+  as_row_blocks,
+  check_block_size,
+  from_row_blocks,
+  num_blocks,
+)
 from optirs_jax.transforms._checks import (
   as_float,
   check_backend,
@@ -26,59 +34,169 @@ from optirs_jax.transforms._checks import (
   flatten,
   learning_rate,
   match,
+  structure_mismatch,
   weight_decay_value,
 )
 
 
 class Adam8bitState(NamedTuple):
-  """State of :func:`adam8bit` and :func:`adamw8bit`: per leaf, a :class:`Quantized8bit`
-  (``int8`` codes for ``mu``, ``uint8`` for ``nu``) or, for leaves smaller than
-  ``min_8bit_size``, a float32 array."""
+  """State of :func:`adam8bit` and :func:`adamw8bit`.
 
-  count: jax.Array
-  mu: Any
-  nu: Any
+  Each moment is a :class:`Quantized8bit` of two trees shaped like the params: ``codes``
+  (``int8`` for ``mu``, ``uint8`` for ``nu``, each leaf shaped like its param; a float32
+  moment for a leaf smaller than ``min_8bit_size``) and ``absmax`` (float32, one scale per
+  block of a row; ``optax.MaskedNode()`` where the leaf keeps float32). Every leaf is a
+  plain array, so the state goes wherever optax's does (Flax NNX, orbax, pickle).
+  """
+
+  count: jax.Array  # shape=(), dtype=jnp.int32; saturates at the int32 maximum.
+  mu: Quantized8bit
+  nu: Quantized8bit
 
 
-def _check_int(fn: str, name: str, value, lo: int, *, power_of_two: bool = False):
-  if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < lo or (
-      power_of_two and value & (value - 1)):
-    kind = "a power of two" if power_of_two else "an int"
-    raise ValueError(f"{fn}: {name}={value!r} must be {kind} >= {lo}")
+BLOCK_SIZE = 256  # elements per quantization block along a leaf's last axis
+MIN_8BIT_SIZE = 4096  # smaller leaves keep float32 moments
+
+
+def _structural_int(fn: str, name: str, value, default: int, lo: int) -> int:
+  """A structural int (it shapes the state), ``None`` for ``default``; a concrete integer
+  array is taken (``optax.inject_hyperparams`` passes one), a traced one is an error."""
+  if value is None:
+    return default
+  try:
+    v = int(value)
+  except (TypeError, jax.errors.ConcretizationTypeError):
+    v = None
+  if isinstance(value, bool) or v is None or v != value or v < lo:
+    raise ValueError(f"{fn}: {name}={value!r} must be an int >= {lo} (a concrete value: "
+                     f"under optax.inject_hyperparams pass static_args=('{name}',))")
+  return v
+
+
+def _quantized(x, min_8bit_size: int) -> bool:
+  return x.ndim > 0 and x.size >= max(min_8bit_size, 1)
 
 
 def _init_leaf(x, block_size: int, min_8bit_size: int):
-  # Separate buffers for every field: a step that donates the state may not see one twice.
-  if x.size < min_8bit_size:
-    return jnp.zeros(x.shape, jnp.float32), jnp.zeros(x.shape, jnp.float32)
-  nb = -(-x.size // block_size)
-  return (Quantized8bit(jnp.zeros((nb, block_size), jnp.int8), jnp.zeros((nb,), jnp.float32),
-                        tuple(x.shape)),
-          Quantized8bit(jnp.zeros((nb, block_size), jnp.uint8), jnp.zeros((nb,), jnp.float32),
-                        tuple(x.shape)))
+  """``(mu codes, mu scales, nu codes, nu scales)`` of one leaf. Separate buffers for every
+  field: a step that donates the state may not see one twice."""
+  if not _quantized(x, min_8bit_size):
+    return (jnp.zeros_like(x, jnp.float32), optax.MaskedNode(),
+            jnp.zeros_like(x, jnp.float32), optax.MaskedNode())
+  scales = lambda: _scales_like(x, block_size)
+  return jnp.zeros_like(x, jnp.int8), scales(), jnp.zeros_like(x, jnp.uint8), scales()
 
 
-def _leaf(hvec, p, g, mu, nu, *, platform, l2, decoupled, fused, tiling):
-  """One leaf: ``(updates or new params, new mu, new nu)``."""
-  out_dtype = p.dtype if fused else g.dtype
-  if not isinstance(mu, Quantized8bit):
+def _scales_like(x, block_size: int) -> jax.Array:
+  """Zero scales for ``x``'s blocks, sharded as ``x`` where its sharding is known (a placed
+  array, or a traced one on an Explicit mesh): the same spec, the last axis partitioned
+  where its blocks divide evenly among the shards."""
+  shape = (*x.shape[:-1], num_blocks(x.shape[-1], block_size))
+  placed = getattr(jax.typeof(x), "sharding", None) if isinstance(x, jax.core.Tracer) else (
+      getattr(x, "sharding", None))
+  if not isinstance(placed, NamedSharding) or placed.mesh.empty:
+    return jnp.zeros(shape, jnp.float32)
+  entries = list(placed.spec) + [None] * (len(shape) - len(placed.spec))
+  if entries[-1] is not None:
+    names = entries[-1] if isinstance(entries[-1], tuple) else (entries[-1],)
+    if shape[-1] % math.prod(placed.mesh.shape[n] for n in names):
+      entries[-1] = None  # the blocks straddle shards: kept whole on each device
+  return jnp.zeros(shape, jnp.float32, device=NamedSharding(placed.mesh, P(*entries)))
+
+
+def _quantized_local(hvec, leaves, *, block_sizes, platform, l2, decoupled, fused, tiling,
+                     out_dtypes):
+  """8-bit leaves ``(p, g, mu codes, mu scales, nu codes, nu scales)`` on this device's
+  shards: ``(out, mu codes, mu scales, nu codes, nu scales)`` each. A kernel where the
+  (local) last axis is a whole number of blocks and a kernel platform runs; the jnp math on
+  row blocks elsewhere."""
+  outs = []
+  h = read_hyper(hvec, _kernel8.HYPER)
+  for (p, g, muc, mua, nuc, nua), bs, dts in zip(leaves, block_sizes, out_dtypes):
+    kw = dict(l2=l2, decoupled=decoupled, fused=fused)
+    if platform != "jnp" and p.shape[-1] % bs == 0:
+      res = _kernel8.leaf_step(hvec, p.reshape(-1, bs), g.reshape(-1, bs),
+                               muc.reshape(-1, bs), mua.reshape(-1, 1), nuc.reshape(-1, bs),
+                               nua.reshape(-1, 1), dts[0], platform=platform, tiling=tiling,
+                               **kw)
+      outs.append(tuple(y.reshape(x.shape) for y, x in zip(res, (p, muc, mua, nuc, nua))))
+      continue
+    p3, g3, mc3, nc3 = (as_row_blocks(x, bs) for x in (p, g, muc, nuc))
+    out, mc, ma, nc, na = _kernel8.block_step(h, p3, g3, mc3, mua[..., None], nc3,
+                                              nua[..., None], dts[0], **kw)
+    outs.append((from_row_blocks(out, p.shape), from_row_blocks(mc, p.shape), ma[..., 0],
+                 from_row_blocks(nc, p.shape), na[..., 0]))
+  return outs, [()] * len(leaves)
+
+
+# 8-bit leaves in run_local: (p, g, mu codes, mu scales, nu codes, nu scales) in, (out, mu
+# codes, mu scales, nu codes, nu scales) out; the scales have a block per row element.
+_SCALES_IN, _SCALES_OUT = (3, 5), (2, 4)
+
+
+def _step_leaves(hvec, leaves, *, platform, l2, decoupled, fused, tiling):
+  """Every leaf's ``(updates or new params, new mu, new nu)``: float32 moments by the jnp
+  math; 8-bit ones on each device's shards (:func:`_quantized_local`)."""
+  results: list = [None] * len(leaves)
+  q_idx = []
+  for i, (p, g, mu, nu) in enumerate(leaves):
+    if isinstance(mu, Quantized8bit):
+      q_idx.append(i)
+      continue
     h = read_hyper(hvec, _kernel8.HYPER)
     p32 = p.astype(jnp.float32)
-    u, mu, nu = _kernel8.adam_math(h, p32, g, mu, nu, l2=l2, decoupled=decoupled)
-    return ((p32 + u) if fused else u).astype(out_dtype), mu, nu
-  bs = mu.block_size
-  aligned = g.size % bs == 0
-  if platform != "jnp" and not aligned:
-    platform = "jnp"  # a padded copy would cost more than the kernel saves
-  out, muc, mua, nuc, nua = _kernel8.leaf_step(
-      hvec, as_blocks(p, bs), as_blocks(g, bs), mu.codes, mu.absmax[:, None], nu.codes,
-      nu.absmax[:, None], out_dtype, platform=platform, l2=l2, decoupled=decoupled,
-      fused=fused, tiling=tiling)
-  out = out.reshape(-1)
-  if not aligned:
-    out = out[:g.size]
-  return (out.reshape(g.shape), Quantized8bit(muc, mua[:, 0], mu.shape),
-          Quantized8bit(nuc, nua[:, 0], nu.shape))
+    u, m, v = _kernel8.adam_math(h, p32, g, mu, nu, l2=l2, decoupled=decoupled)
+    results[i] = (((p32 + u) if fused else u).astype(p.dtype if fused else g.dtype), m, v)
+  if not q_idx:
+    return results
+  # Leaves of one block size share a call (in practice all of them).
+  for bs in sorted({leaves[i][2].block_size for i in q_idx}):
+    idx = [i for i in q_idx if leaves[i][2].block_size == bs]
+    operands = [(leaves[i][0], leaves[i][1], *leaves[i][2], *leaves[i][3]) for i in idx]
+    out_dtypes = [((p.dtype if fused else g.dtype), jnp.int8, jnp.float32, jnp.uint8,
+                   jnp.float32) for p, g, *_ in operands]
+    local = functools.partial(_quantized_local, block_sizes=[bs] * len(idx), platform=platform,
+                              l2=l2, decoupled=decoupled, fused=fused, tiling=tiling,
+                              out_dtypes=out_dtypes)
+    outs, _ = sharding.run_local(local, hvec, operands, out_dtypes, 0,
+                                 blocked=sharding.Blocked(bs, _SCALES_IN, _SCALES_OUT))
+    for i, (out, mc, ma, nc, na) in zip(idx, outs):
+      results[i] = (out, Quantized8bit(mc, ma), Quantized8bit(nc, na))
+  return results
+
+
+def _is_masked(x) -> bool:
+  return isinstance(x, optax.MaskedNode)
+
+
+def _moments(fn: str, field: str, q, treedef, gl, paths) -> list:
+  """Per leaf the moment of ``field``: a :class:`Quantized8bit` of one leaf, or a float32
+  array; checked against the updates (errors name the leaf's key path)."""
+  if not isinstance(q, Quantized8bit):
+    raise TypeError(f"{fn}: state.{field} is {type(q).__name__}, not a Quantized8bit of "
+                    "codes and scales (was the state made by another optimizer's init()?)")
+  codes, tdef = jax.tree.flatten(q.codes)
+  if tdef != treedef:
+    raise ValueError(structure_mismatch(fn, f"state.{field}.codes", q.codes, paths, "updates",
+                                        treedef))
+  scales, sdef = jax.tree.flatten(q.absmax, is_leaf=_is_masked)
+  if sdef != treedef:
+    raise ValueError(structure_mismatch(fn, f"state.{field}.absmax", q.absmax, paths,
+                                        "updates", treedef, is_leaf=_is_masked))
+  out = []
+  for c, a, g, path in zip(codes, scales, gl, paths):
+    if tuple(c.shape) != tuple(g.shape):
+      raise ValueError(f"{fn}: state leaf {path} has shape {tuple(c.shape)} but the updates "
+                       f"leaf has shape {g.shape}")
+    out.append(c if _is_masked(a) else Quantized8bit(c, a))
+  return out
+
+
+def _as_trees(treedef, moments) -> Quantized8bit:
+  """A :class:`Quantized8bit` of two trees from per-leaf moments."""
+  codes = [m.codes if isinstance(m, Quantized8bit) else m for m in moments]
+  scales = [m.absmax if isinstance(m, Quantized8bit) else optax.MaskedNode() for m in moments]
+  return Quantized8bit(jax.tree.unflatten(treedef, codes), jax.tree.unflatten(treedef, scales))
 
 
 def _make(fn: str, learning_rate_, b1, b2, eps, weight_decay, block_size, min_8bit_size,
@@ -89,17 +207,24 @@ def _make(fn: str, learning_rate_, b1, b2, eps, weight_decay, block_size, min_8b
   check_unit_interval(fn, "b2", b2)
   check_number(fn, "eps", eps)
   check_number_or_schedule(fn, "weight_decay", weight_decay)
-  _check_int(fn, "block_size", block_size, 2, power_of_two=True)
-  _check_int(fn, "min_8bit_size", min_8bit_size, 0)
   backend = check_backend(fn, backend)
   tiling = check_executor_options(fn, executor_options).quantized_tiling
+  # Structural: checked when concrete. The step reads the layout from the state, so a
+  # value optax.inject_hyperparams traces there is never needed.
+  concrete = lambda v: v is None or not isinstance(v, jax.core.Tracer)
+  if concrete(block_size):
+    check_block_size(fn, BLOCK_SIZE if block_size is None else block_size)
+  if concrete(min_8bit_size):
+    _structural_int(fn, "min_8bit_size", min_8bit_size, MIN_8BIT_SIZE, 0)
 
   def init_fn(params):
     leaves, _, treedef = flatten(fn, "params", params)
-    pairs = [_init_leaf(x, block_size, min_8bit_size) for x in leaves]
-    return Adam8bitState(jnp.zeros([], jnp.int32),
-                         jax.tree.unflatten(treedef, [m for m, _ in pairs]),
-                         jax.tree.unflatten(treedef, [v for _, v in pairs]))
+    bs = check_block_size(fn, BLOCK_SIZE if block_size is None else block_size)
+    min_size = _structural_int(fn, "min_8bit_size", min_8bit_size, MIN_8BIT_SIZE, 0)
+    parts = list(zip(*(_init_leaf(x, bs, min_size) for x in leaves))) or [()] * 4
+    tree = lambda k: jax.tree.unflatten(treedef, list(parts[k]))
+    return Adam8bitState(jnp.zeros([], jnp.int32), Quantized8bit(tree(0), tree(1)),
+                         Quantized8bit(tree(2), tree(3)))
 
   def step(grads, state, params, fused: bool):
     gl, paths, treedef = flatten(fn, "updates", grads)
@@ -110,17 +235,8 @@ def _make(fn: str, learning_rate_, b1, b2, eps, weight_decay, block_size, min_8b
       pl_ = [jnp.zeros_like(g) for g in gl]  # read by neither the math nor the output
     else:
       pl_ = match(fn, "params", params, treedef, gl, paths)
-    is_q = lambda x: isinstance(x, Quantized8bit)
-    mus, mtd = jax.tree.flatten(state.mu, is_leaf=is_q)
-    nus = jax.tree.leaves(state.nu, is_leaf=is_q)
-    if mtd.num_leaves != treedef.num_leaves or len(nus) != len(mus):
-      raise ValueError(f"{fn}: the state does not match the updates' structure; it was made "
-                       "by init() for other params")
-    for m, g, path in zip(mus, gl, paths):
-      shape = m.shape
-      if tuple(shape) != tuple(g.shape):
-        raise ValueError(f"{fn}: state leaf {path} has shape {tuple(shape)} but the updates "
-                         f"leaf has shape {g.shape}")
+    mus = _moments(fn, "mu", state.mu, treedef, gl, paths)
+    nus = _moments(fn, "nu", state.nu, treedef, gl, paths)
     count = state.count
     t = as_float(optax.safe_increment(count))
     neg_lr, _ = learning_rate(learning_rate_, count)
@@ -132,8 +248,7 @@ def _make(fn: str, learning_rate_, b1, b2, eps, weight_decay, block_size, min_8b
     def run(platform):  # a branch of the arrays it is given (it may run at lowering time)
       def go(args):
         hvec, pl_, gl, mus, nus = args
-        outs = [_leaf(hvec, p, g, m, v, platform=platform, **kw)
-                for p, g, m, v in zip(pl_, gl, mus, nus)]
+        outs = _step_leaves(hvec, list(zip(pl_, gl, mus, nus)), platform=platform, **kw)
         return tuple(zip(*outs)) if outs else ((), (), ())
       return go
 
@@ -145,9 +260,9 @@ def _make(fn: str, learning_rate_, b1, b2, eps, weight_decay, block_size, min_8b
     else:  # the kernel's branch traced now, the other when lowered for another platform
       first, new_mu, new_nu = lazy_branches.platform_dependent(args, cuda=run("cuda"),
                                                                default=run(other))
-    unflat = lambda xs: jax.tree.unflatten(treedef, list(xs))
-    new_state = Adam8bitState(optax.safe_increment(count), unflat(new_mu), unflat(new_nu))
-    return unflat(first), new_state
+    new_state = Adam8bitState(optax.safe_increment(count), _as_trees(treedef, new_mu),
+                              _as_trees(treedef, new_nu))
+    return jax.tree.unflatten(treedef, list(first)), new_state
 
   def update_fn(updates, state, params=None, **extra_args):
     del extra_args
@@ -160,9 +275,10 @@ def _make(fn: str, learning_rate_, b1, b2, eps, weight_decay, block_size, min_8b
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def adam8bit(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999,
-             eps: float = 1e-8, weight_decay: float = 0.0, *, block_size: int = 256,
-             min_8bit_size: int = 4096, backend: str = "auto",
+def adam8bit(learning_rate: optax.ScalarOrSchedule, b1: jax.typing.ArrayLike = 0.9,
+             b2: jax.typing.ArrayLike = 0.999, eps: jax.typing.ArrayLike = 1e-8,
+             weight_decay: optax.ScalarOrSchedule = 0.0, *, block_size: int | None = None,
+             min_8bit_size: int | None = None, backend: str = "auto",
              executor_options: ExecutorOptions | None = None
              ) -> optax.GradientTransformationExtraArgs:
   r"""Adam whose moments are stored in 8 bits, block-wise quantized (Dettmers et al., 2022).
@@ -181,19 +297,26 @@ def adam8bit(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float =
   to float32 rounding). For large leaves the state takes about 1.02 bytes per element and
   moment instead of 4.
 
+  The blocks run along the leaf's last axis (:class:`Quantized8bit`): the codes have the
+  leaf's shape, and the state shards as the params do (a block never straddles a shard
+  where each shard's part of the last axis is a whole number of blocks), with no gather in
+  the step.
+
   On GPU (``backend="auto"`` or ``"pallas"``) one Pallas kernel pass per 8-bit leaf
   dequantizes, updates, requantizes and writes the updates, or with
-  :func:`optirs_jax.apply` the new params (in place when donated), for leaves whose size is
-  a multiple of ``block_size``; other leaves, and other platforms, run the same jnp math.
-  Not yet partitioned under sharding (the 8-bit leaves are computed whole on each device).
+  :func:`optirs_jax.apply` the new params (in place when donated), for leaves whose last
+  axis is a whole number of blocks (on each device its own shard); other leaves, and other
+  platforms, run the same jnp math.
 
   Args:
     learning_rate: a number or an optax schedule.
-    b1, b2, eps: Adam's decay rates and epsilon.
+    b1, b2, eps: Adam's decay rates (in [0, 1)) and epsilon.
     weight_decay: L2 penalty added to the gradient (``torch.optim.Adam``'s); see
       :func:`adamw8bit` for decoupled decay.
-    block_size: elements per quantization block (a power of two).
-    min_8bit_size: leaves with fewer elements keep float32 moments.
+    block_size: elements per quantization block along the last axis (a power of two;
+      ``None``: 256). It shapes the state, so ``optax.inject_hyperparams`` leaves the
+      default alone.
+    min_8bit_size: leaves with fewer elements keep float32 moments (``None``: 4096).
     backend: ``"auto"``, ``"jnp"`` or ``"pallas"``.
     executor_options: the kernel's geometry (``ExecutorOptions.quantized_tiling``).
 
@@ -202,7 +325,7 @@ def adam8bit(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float =
     >>> tx = optirs_jax.adam8bit(1e-3, min_8bit_size=0)
     >>> params = {"w": jnp.ones((4, 256))}
     >>> state = tx.init(params)
-    >>> state.mu["w"].codes.dtype, state.nu["w"].codes.dtype
+    >>> state.mu.codes["w"].dtype, state.nu.codes["w"].dtype
     (dtype('int8'), dtype('uint8'))
     >>> params, state = optirs_jax.apply(tx, {"w": jnp.full((4, 256), 0.5)}, state, params)
     >>> float(params["w"][0, 0])
@@ -212,20 +335,24 @@ def adam8bit(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float =
                min_8bit_size, backend, executor_options, decoupled=False)
 
 
-def adamw8bit(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999,
-              eps: float = 1e-8, weight_decay: float = 1e-2, *, block_size: int = 256,
-              min_8bit_size: int = 4096, backend: str = "auto",
+def adamw8bit(learning_rate: optax.ScalarOrSchedule, b1: jax.typing.ArrayLike = 0.9,
+              b2: jax.typing.ArrayLike = 0.999, eps: jax.typing.ArrayLike = 1e-8,
+              weight_decay: optax.ScalarOrSchedule = 1e-4, *, block_size: int | None = None,
+              min_8bit_size: int | None = None, backend: str = "auto",
               executor_options: ExecutorOptions | None = None
               ) -> optax.GradientTransformationExtraArgs:
   r""":func:`adam8bit` with decoupled weight decay (as ``optax.adamw``):
   :math:`u = -\eta\,(\hat m / (\sqrt{\hat v} + \epsilon) + \lambda p)`.
 
+  ``weight_decay`` defaults to ``optax.adamw``'s 1e-4 (bitsandbytes' and PyTorch's AdamW
+  default to 1e-2): switching from ``optax.adamw`` to 8-bit state changes nothing else.
+
   Example:
     >>> import jax.numpy as jnp, optirs_jax
     >>> tx = optirs_jax.adamw8bit(1e-3)
-    >>> params = {"w": jnp.ones((64, 128))}
+    >>> params = {"w": jnp.ones((64, 256))}
     >>> state = tx.init(params)
-    >>> state.mu["w"].nbytes / (params["w"].size * 4)  # 8-bit codes + one scale per block
+    >>> state.mu.nbytes / (params["w"].size * 4)  # 8-bit codes + one scale per block
     0.25390625
   """
   return _make("adamw8bit", learning_rate, b1, b2, eps, weight_decay, block_size,

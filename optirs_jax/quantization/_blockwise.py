@@ -1,30 +1,52 @@
-"""Block-wise 8-bit arrays: one code per element, one float32 absmax per block."""
+"""Block-wise 8-bit arrays: one code per element, one float32 absmax per block of a row.
+
+The blocks run along the last axis: block ``j`` of a row holds its elements
+``[j * block_size, (j + 1) * block_size)`` (the last block of a row may be shorter). So the
+codes have the array's own shape, and the scales the shape of its leading axes and one
+more, the blocks of a row: both shard as the array does (a block never straddles a shard
+when each shard's part of the last axis is a whole number of blocks), and the state is a
+plain NamedTuple of two arrays, which Flax NNX, ``flax.serialization``, orbax and pickle
+take as they take optax's states.
+"""
 
 from __future__ import annotations
 
-import dataclasses
-import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+import optax
 
 from optirs_jax.quantization import _codes
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class Quantized8bit:
-  """An array stored as 8-bit codes on a dynamic map, one float32 scale per block.
+def num_blocks(last: int, block_size: int) -> int:
+  """Blocks of ``block_size`` in a row of ``last`` elements (at least one)."""
+  return max(1, -(-last // block_size))
 
-  ``codes`` is ``int8`` (signed map) or ``uint8`` (unsigned map) of shape
-  ``[num_blocks, block_size]`` (the flattened array, zero-padded to whole blocks);
-  ``absmax`` is ``float32[num_blocks]``; ``shape`` is the array's shape. The value of element
-  ``i`` is ``decode(codes[i]) * absmax[block of i]``.
+
+class Quantized8bit(NamedTuple):
+  """An array stored as 8-bit codes on a dynamic map, one float32 scale per block; or a tree
+  of them, as two trees.
+
+  ``codes`` has the array's shape, ``int8`` (the signed map) or ``uint8`` (the unsigned
+  map, for non-negative arrays); ``absmax`` is ``float32`` of shape
+  ``shape[:-1] + (num_blocks,)``, the blocks running along the last axis. The value of
+  element ``[..., i]`` is ``decode(codes[..., i]) * absmax[..., i // block_size]``.
+
+  An optimizer's moment is one of two trees shaped like the params (``codes``, and
+  ``absmax`` with ``optax.MaskedNode()`` where a leaf is kept in float32, its ``codes``
+  leaf then holding the values): every leaf a plain array, as Flax NNX and the
+  checkpointers expect. :meth:`dequantize` and :attr:`nbytes` take either form.
   """
 
   codes: jax.Array
   absmax: jax.Array
-  shape: tuple = dataclasses.field(metadata=dict(static=True))
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    return tuple(self.codes.shape)
 
   @property
   def signed(self) -> bool:
@@ -32,31 +54,48 @@ class Quantized8bit:
 
   @property
   def block_size(self) -> int:
-    return self.codes.shape[-1]
+    """Elements per block along the last axis (a power of two; a row of one block is
+    its own length)."""
+    last, nb = self.codes.shape[-1], self.absmax.shape[-1]
+    if nb == 1:
+      return last
+    return 1 << (-(-last // nb) - 1).bit_length()  # the power of two that gives nb blocks
 
   @property
   def nbytes(self) -> int:
-    return self.codes.size * self.codes.dtype.itemsize + self.absmax.size * 4
+    """Bytes held by the codes and scales (of every leaf, for trees)."""
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves((self.codes, self.absmax)))
 
-  def dequantize(self) -> jax.Array:
-    """The float32 array these codes stand for."""
-    return dequantize_blocks(self.codes, self.absmax[:, None]).reshape(-1)[
-        :math.prod(self.shape)].reshape(self.shape)
+  def dequantize(self):
+    """The float32 array these codes stand for (for trees, the tree of them)."""
+    if not isinstance(self.codes, jax.Array | np.ndarray):
+      masked = lambda x: isinstance(x, optax.MaskedNode)
+      return jax.tree.map(
+          lambda a, c: c if masked(a) else Quantized8bit(c, a).dequantize(), self.absmax,
+          self.codes, is_leaf=masked)
+    blocks = as_row_blocks(self.codes, self.block_size)
+    return from_row_blocks(dequantize_blocks(blocks, self.absmax[..., None]), self.shape)
 
 
-def as_blocks(x: jax.Array, block_size: int) -> jax.Array:
-  """``x`` flattened and zero-padded to ``[num_blocks, block_size]`` (a free reshape when the
-  size is a multiple of the block)."""
-  n = x.size
-  nb = -(-n // block_size)
-  flat = x.reshape(-1)
-  if nb * block_size != n:
-    flat = jnp.pad(flat, (0, nb * block_size - n))
-  return flat.reshape(nb, block_size)
+def as_row_blocks(x: jax.Array, block_size: int) -> jax.Array:
+  """``x`` as ``[*leading, num_blocks, block_size]`` (the last axis zero-padded to whole
+  blocks; a free reshape where it is a whole number of them)."""
+  last = x.shape[-1]
+  nb = num_blocks(last, block_size)
+  width = min(block_size, last) if nb == 1 else block_size
+  if nb * width != last:
+    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, nb * width - last)])
+  return x.reshape(*x.shape[:-1], nb, width)
+
+
+def from_row_blocks(blocks: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+  """The inverse of :func:`as_row_blocks`: ``shape`` back from its blocks."""
+  flat = blocks.reshape(*blocks.shape[:-2], -1)
+  return flat if flat.shape[-1] == shape[-1] else flat[..., :shape[-1]]
 
 
 def quantize_blocks(x: jax.Array, signed: bool) -> tuple[jax.Array, jax.Array]:
-  """``(codes, absmax[:, None])`` of float32 blocks ``x`` (``[rows, block_size]``)."""
+  """``(codes, absmax[..., None])`` of float32 blocks ``x`` (``[..., block_size]``)."""
   absmax = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
   safe = jnp.where(absmax > 0, absmax, jnp.float32(1.0))
   a = x / safe
@@ -65,16 +104,30 @@ def quantize_blocks(x: jax.Array, signed: bool) -> tuple[jax.Array, jax.Array]:
 
 
 def dequantize_blocks(codes: jax.Array, absmax: jax.Array) -> jax.Array:
-  """float32 values of ``codes`` (``[rows, block_size]``) with ``absmax`` (``[rows, 1]``)."""
+  """float32 values of ``codes`` (``[..., block_size]``) with ``absmax`` (``[..., 1]``)."""
   mag = _codes.decode_signed(codes) if codes.dtype == jnp.int8 else _codes.decode_unsigned(codes)
   return mag * absmax
 
 
+def check_block_size(fn: str, block_size) -> int:
+  """``block_size`` as an int: a power of two >= 2 (a concrete integer array is taken)."""
+  try:
+    value = int(block_size)
+  except (TypeError, jax.errors.ConcretizationTypeError):
+    value = None
+  if (isinstance(block_size, bool) or value is None or value != block_size or value < 2
+      or value & (value - 1)):
+    raise ValueError(f"{fn}: block_size={block_size!r} must be a power of two >= 2 (a "
+                     "concrete int: under optax.inject_hyperparams pass "
+                     "static_args=('block_size',))")
+  return value
+
+
 def quantize_blockwise(x: jax.Array, *, signed: bool = True, block_size: int = 256
                        ) -> Quantized8bit:
-  """``x`` as :class:`Quantized8bit`: each block of ``block_size`` elements (row-major) is
-  divided by its absolute maximum and each element stored as the nearest code of the signed
-  (``int8``) or unsigned (``uint8``, for non-negative ``x``) dynamic map.
+  """``x`` as :class:`Quantized8bit`: each block of ``block_size`` elements along the last
+  axis is divided by its absolute maximum and each element stored as the nearest code of
+  the signed (``int8``) or unsigned (``uint8``, for non-negative ``x``) dynamic map.
 
   >>> import jax.numpy as jnp
   >>> from optirs_jax.quantization import quantize_blockwise
@@ -84,5 +137,10 @@ def quantize_blockwise(x: jax.Array, *, signed: bool = True, block_size: int = 2
   >>> [round(v, 4) for v in q.dequantize().tolist()]
   [0.5008, -1.0, 0.0009, 0.0]
   """
-  codes, absmax = quantize_blocks(as_blocks(jnp.asarray(x, jnp.float32), block_size), signed)
-  return Quantized8bit(codes, absmax[:, 0], tuple(x.shape))
+  bs = check_block_size("quantize_blockwise", block_size)
+  x = jnp.asarray(x, jnp.float32)
+  if x.ndim == 0 or x.size == 0:
+    raise ValueError(f"quantize_blockwise: x has shape {x.shape}; it needs at least one axis "
+                     "and one element")
+  codes, absmax = quantize_blocks(as_row_blocks(x, bs), signed)
+  return Quantized8bit(from_row_blocks(codes, x.shape), absmax[..., 0])

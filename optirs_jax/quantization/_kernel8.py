@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import functools
 
-import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from optirs_jax.pallas import sharding
 from optirs_jax.pallas.op import NHP, Hyper, read_hyper
 from optirs_jax.pallas.options import DEFAULT_OPTIONS, Tiling
 from optirs_jax.quantization._blockwise import dequantize_blocks, quantize_blocks
@@ -72,19 +72,23 @@ def leaf_step(hvec, p2, g2, muc, mua, nuc, nua, out_dtype, *, platform: str, l2:
   quantization blocks per program (``block_rows``) and the Triton launch settings."""
   kw = dict(l2=l2, decoupled=decoupled, fused=fused)
   args = (p2, g2, muc, mua, nuc, nua)
+  if platform == "interpret" and any(sharding.varying_axes(x) for x in args):
+    platform = "jnp"  # Pallas' interpreter cannot check varying axes inside a shard_map
   if platform == "jnp":
     return block_step(read_hyper(hvec, HYPER), *args, out_dtype, **kw)
+  hvec, *args = sharding.vary_alike((hvec, *args))  # a kernel's operands vary alike
+  p2, muc, mua, nuc = args[0], args[2], args[3], args[4]
   nb, bs = p2.shape
   rows = rows_per_program(nb, tiling.block_rows)
   programs = nb // rows
   row_spec = pl.BlockSpec((rows, bs), lambda i: (i, 0))
   col_spec = pl.BlockSpec((rows, 1), lambda i: (i, 0))
   specs = [row_spec, row_spec, row_spec, col_spec, row_spec, col_spec]
-  out_shape = (jax.ShapeDtypeStruct(p2.shape, out_dtype),
-               jax.ShapeDtypeStruct(muc.shape, muc.dtype),
-               jax.ShapeDtypeStruct(mua.shape, jnp.float32),
-               jax.ShapeDtypeStruct(nuc.shape, nuc.dtype),
-               jax.ShapeDtypeStruct(nua.shape, jnp.float32))
+  out_shape = (sharding.out_struct(p2, p2.shape, out_dtype),
+               sharding.out_struct(p2, muc.shape, muc.dtype),
+               sharding.out_struct(p2, mua.shape, jnp.float32),
+               sharding.out_struct(p2, nuc.shape, nuc.dtype),
+               sharding.out_struct(p2, mua.shape, jnp.float32))
   aliases = {3: 1, 4: 2, 5: 3, 6: 4}
   if fused and p2.dtype == out_dtype:
     aliases[1] = 0
