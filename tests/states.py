@@ -1,0 +1,50 @@
+"""Every kind of optimizer state this library makes, for the tests that carry states through
+other libraries (Flax NNX, flax.serialization, orbax, pickle).
+
+Each entry builds a transformation and names the params dtype it trains: the elementwise
+and per-leaf-norm optimizers, the 8-bit ones (with 8-bit and float32 leaves), master
+weights, loss scaling (dynamic, static, none), the row-sparse optimizers, and the optax
+wrappers users put them in.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+
+import optirs_jax
+from optirs_jax import mixed_precision as mp
+from optirs_jax import sparse
+
+# (id, factory, params dtype). Factories, not transformations: each test builds its own.
+STATES = [
+    ("adam", lambda: optirs_jax.adam(1e-2), jnp.float32),
+    ("adamw_masked", lambda: optirs_jax.adamw(
+        1e-2, weight_decay=0.1, mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p)),
+     jnp.float32),
+    ("sgd_nesterov", lambda: optirs_jax.sgd(1e-2, momentum=0.9, nesterov=True), jnp.float32),
+    ("rmsprop_centered", lambda: optirs_jax.rmsprop(1e-3, centered=True, momentum=0.9),
+     jnp.float32),
+    ("adagrad", lambda: optirs_jax.adagrad(1e-2), jnp.float32),
+    ("lamb", lambda: optirs_jax.lamb(1e-2, weight_decay=0.01), jnp.float32),
+    ("lion", lambda: optirs_jax.lion(1e-3), jnp.float32),
+    ("adam8bit", lambda: optirs_jax.adam8bit(1e-2, min_8bit_size=512), jnp.float32),
+    ("adamw8bit", lambda: optirs_jax.adamw8bit(1e-2, min_8bit_size=512), jnp.float32),
+    ("master_weights", lambda: mp.master_weights(optirs_jax.adamw(1e-2)), jnp.bfloat16),
+    ("loss_scaling_dynamic", lambda: mp.with_loss_scaling(
+        mp.master_weights(optirs_jax.adamw(1e-2)), mp.DynamicLossScale(2.0**10, period=2)),
+     jnp.bfloat16),
+    ("loss_scaling_static", lambda: mp.with_loss_scaling(optirs_jax.adam(1e-2),
+                                                         mp.StaticLossScale(8.0)), jnp.float32),
+    ("loss_scaling_noop", lambda: mp.with_loss_scaling(optirs_jax.sgd(1e-2),
+                                                       mp.NoOpLossScale()), jnp.float32),
+    ("sparse_adam_catch_up", lambda: sparse.sparse_adam(1e-2, catch_up=True), jnp.float32),
+    ("sparse_sgd", lambda: sparse.sparse_sgd(1e-2, momentum=0.9), jnp.float32),
+    ("chain_clip_adamw", lambda: optax.chain(optax.clip_by_global_norm(1.0),
+                                             optirs_jax.adamw(1e-2)), jnp.float32),
+    ("inject_adamw8bit", lambda: optax.inject_hyperparams(optirs_jax.adamw8bit)(
+        learning_rate=1e-2, min_8bit_size=512), jnp.float32),
+]
+
+IDS = [s[0] for s in STATES]
