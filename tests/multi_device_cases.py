@@ -368,3 +368,54 @@ def test_8bit_inside_shard_map_runs_on_the_local_shards(backend):
     got = step(place(params, mesh, specs), tx.init(place(params, mesh, specs)),
                place(grads, mesh, specs))
   chex.assert_trees_all_close(got, want, rtol=1e-6, atol=1e-7)
+
+
+def test_sync_rejects_a_gradient_jax_already_summed_and_names_the_leaf():
+  """At the replicated params themselves JAX's gradient is already summed over the devices
+  (invariant): averaging it again would give 8x the mean. With a pcast copy it is right."""
+  mesh = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Auto,))
+  params, x = {"w": jnp.ones(4)}, jnp.arange(32.0).reshape(8, 4)
+  loss = lambda p, x: jnp.sum(p["w"][None] * x)
+
+  def run(fn, pcast):
+    def local(p, x):
+      at = jax.tree.map(lambda v: jax.lax.pcast(v, ("d",), to="varying"), p) if pcast else p
+      return fn(jax.grad(loss)(at, x))
+    return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P("d")), out_specs=P()))(
+        params, x)
+
+  mean = run(lambda g: md.sync_gradients(g, "d"), pcast=True)
+  np.testing.assert_allclose(mean["w"], x.mean(0))
+  for fn in (lambda g: md.sync_gradients(g, "d"),
+             lambda g: md.top_k_compression(0.5, axis_name="d").update(
+                 g, md.top_k_compression(0.5, axis_name="d").init(g))[0],
+             lambda g: md.powersgd(axis_name="d").update(
+                 g, md.powersgd(axis_name="d").init(g))[0]):
+    with pytest.raises(ValueError, match=r"gradient leaf \['w'\] is already the same on every "
+                                         r"device along \('d',\).*8 times the gradient"):
+      run(fn, pcast=False)
+
+
+def test_powersgd_waits_for_start_step_with_a_replicated_initial_error():
+  """The error residual starts replicated (zeros from a plain init) and becomes per-device:
+  both branches of the start_step conditional vary alike (jax 0.10.2 rejected the cond)."""
+  mesh = jax.make_mesh((8,), ("x",), axis_types=(AxisType.Auto,))
+  tx = md.powersgd(1, axis_name="x", start_step=1)
+  g = jax.random.normal(jax.random.PRNGKey(0), (8, 16, 8))
+  state = tx.init({"w": g[0]})
+  replicated = jax.tree.map(lambda _: P(), state)
+  per_device = md.state_partition_specs(state, "x")
+  f = jax.jit(jax.shard_map(lambda g, s: tx.update({"w": g[0]}, s), mesh=mesh,
+                            in_specs=(P("x"), replicated), out_specs=({"w": P()}, per_device)))
+  update, state = f(g, state)
+  np.testing.assert_allclose(update["w"], jnp.mean(g, 0), rtol=1e-6)  # step 0: plain mean
+  assert state.error["w"].shape == (8, 16, 8)
+
+
+def test_compression_stats_count_bytes_by_dtype():
+  tx = md.top_k_compression(0.1, axis_name="d", momentum=0.0)
+  g = jax.random.normal(jax.random.PRNGKey(7), (1, 30, 7)).astype(jnp.bfloat16)
+  _, state = run_compressor(tx, g, axis=1)
+  stats = md.compression_stats(state)
+  assert float(stats["dense_bytes"]) == 210 * 2  # bfloat16: 2 bytes an element
+  assert float(stats["bytes_sent"]) == 21 * (2 + 4)  # values in bfloat16, int32 indices

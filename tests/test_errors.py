@@ -137,3 +137,31 @@ def test_an_empty_tree_steps_to_an_empty_tree(name):
   tx = getattr(optirs_jax, name)(0.1)
   params, state = optirs_jax.apply(tx, {}, tx.init({}), {})
   assert params == {} and int(state.count) == 1
+
+
+_EVERY = [
+    ("adam", lambda: optirs_jax.adam(1e-3)), ("adamw", lambda: optirs_jax.adamw(1e-3)),
+    ("sgd", lambda: optirs_jax.sgd(1e-3, momentum=0.9)),
+    ("rmsprop", lambda: optirs_jax.rmsprop(1e-3)), ("adagrad", lambda: optirs_jax.adagrad(1e-3)),
+    ("lamb", lambda: optirs_jax.lamb(1e-3)), ("lion", lambda: optirs_jax.lion(1e-3)),
+    ("adam8bit", lambda: optirs_jax.adam8bit(1e-3, min_8bit_size=8)),
+    ("adamw8bit", lambda: optirs_jax.adamw8bit(1e-3, min_8bit_size=8)),
+    ("sparse_adam", lambda: optirs_jax.sparse.sparse_adam(1e-3)),
+    ("sparse_sgd", lambda: optirs_jax.sparse.sparse_sgd(1e-3, momentum=0.9)),
+    ("master_weights", lambda: optirs_jax.mixed_precision.master_weights(optirs_jax.adamw(1e-3))),
+]
+
+
+@pytest.mark.parametrize("make", [m for _, m in _EVERY], ids=[n for n, _ in _EVERY])
+@pytest.mark.parametrize("fused", [False, True], ids=["update", "apply"])
+def test_a_missing_leaf_is_named_by_its_key_path(make, fused):
+  """Grads without a leaf the state has: the error names ['w3'], for every optimizer."""
+  tx = make()
+  params = {"w1": jnp.ones((4, 8)), "w2": jnp.ones((4, 8)), "w3": jnp.ones((4, 8))}
+  state = tx.init(params)
+  fewer = {"w1": params["w1"], "w2": params["w2"]}
+  with pytest.raises(ValueError, match=r"\['w3'\]"):
+    if fused:
+      optirs_jax.apply(tx, fewer, state, fewer)
+    else:
+      tx.update(fewer, state, fewer)

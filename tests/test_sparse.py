@@ -259,6 +259,36 @@ def test_value_and_row_grad_equals_the_dense_gradient_without_forming_it():
   assert table.shape not in shapes
 
 
+def test_out_of_range_ids_follow_one_rule_in_the_forward_pass_and_the_update():
+  """Eagerly an out-of-range id is an error; under jit its row reads as zeros and its
+  gradient is dropped, so forward and update agree (a numpy model of the valid ids)."""
+  rng = np.random.default_rng(8)
+  table = jnp.asarray(rng.standard_normal((ROWS, WIDTH)), jnp.float32)
+  weights = 1.0 + np.arange(WIDTH, dtype=np.float32)
+  loss = lambda rows, ids: jnp.sum(jnp.sin(rows) * jnp.asarray(weights)[None])
+  fn = value_and_row_grad(loss, 0, 1)
+  for bad in (-1, ROWS):
+    with pytest.raises(ValueError, match=rf"id {bad} \(at flat position 1, one of 1 out of "
+                                         rf"range\) is not a row of the table: valid ids are "
+                                         rf"0..{ROWS - 1}"):
+      fn(table, jnp.array([4, bad, 9]))
+  tx = sparse_adam(0.1)
+
+  @jax.jit
+  def step(table, state, ids):
+    value, g = fn(table, ids)
+    table, state = optirs_jax.apply(tx, g, state, table)
+    return table, state, value
+
+  ids = jnp.array([4, -1, 9, ROWS])
+  new, _, value = step(table, tx.init(table), ids)
+  rows = np.asarray(table)[[4, 9]]
+  np.testing.assert_allclose(value, np.sum(np.sin(rows) * weights), rtol=1e-6)  # zeros read
+  ref = NpSparseAdam(table, 0.1, 0.9, 0.999, 1e-8, catch_up=False)
+  ref.step(np.array([4, 9]), np.cos(rows) * weights)  # XLA's and numpy's cos differ by ulps
+  np.testing.assert_allclose(new, ref.p, rtol=1e-5, atol=1e-6)  # the last row untouched
+
+
 def test_flax_embedding_model_trains_with_row_gradients(standard_promotion):
   nn = pytest.importorskip("flax.linen")
 

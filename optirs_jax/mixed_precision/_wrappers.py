@@ -21,6 +21,7 @@ from optirs_jax.mixed_precision._loss_scale import (
 from optirs_jax.pallas.dispatch import lowering_targets
 from optirs_jax.pallas.sharding import varying_axes
 from optirs_jax.rounding import stochastic_round
+from optirs_jax.transforms._checks import key_paths, structure_mismatch
 
 _SCALES = (DynamicLossScale, StaticLossScale, NoOpLossScale)
 
@@ -230,6 +231,10 @@ def master_weights(inner: optax.GradientTransformation, *, stochastic_rounding: 
   inner = optax.with_extra_args_support(inner)
 
   def full(params, master):  # what the inner optimizer sees as the params
+    masked = lambda x: isinstance(x, optax.MaskedNode)
+    if jax.tree.structure(master, is_leaf=masked) != jax.tree.structure(params):
+      raise ValueError(structure_mismatch("master_weights", "state.master", master,
+                                          key_paths(params), "params", is_leaf=masked))
     return jax.tree.map(lambda p, m: m if _is_half(p) else p, params, master)
 
   def init_fn(params):
@@ -280,6 +285,7 @@ def master_weights(inner: optax.GradientTransformation, *, stochastic_rounding: 
         return new_params, new_state
       return (select_tree(finite, new_params, params),
               select_tree(finite, _keep_dtypes(new_state, state), state))
+    full(params, state.master)  # checked: the same leaves
     new_params, new_inner, new_master = fused(grads, state.inner_state, params,
                                               master=state.master, inv_scale=inv_scale,
                                               finite=finite, param_seed=seed)

@@ -19,7 +19,17 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optirs_jax.multi_device._sync import axis_names
+from optirs_jax.multi_device._sync import axis_names, check_per_device
+from optirs_jax.pallas.sharding import varying_axes
+
+
+def vary_like(x, like):
+  """``x`` varying over every mesh axis ``like`` varies over (inside ``shard_map``); what is
+  not an array (a MaskedNode) as it is."""
+  if not isinstance(x, jax.Array):
+    return x
+  missing = tuple(sorted(varying_axes(like) - varying_axes(x)))
+  return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 STAGES = 4  # exponential warm-up stages of top-k's density (DGC: 75%, 93.75%, 98.4%, 99.6%)
 
@@ -98,13 +108,14 @@ def top_k_compression(ratio: float, *, axis_name: str | Sequence[str], momentum:
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
     names = axis_names("top_k_compression", axis_name)
+    check_per_device("top_k_compression", updates, names)
     leaves, treedef = jax.tree.flatten(updates)
     v_old = [x[0] for x in treedef.flatten_up_to(state.residual)]
     u = ([x[0] for x in treedef.flatten_up_to(state.velocity)] if momentum
          else [None] * len(leaves))
     u = [momentum * ui + g if momentum else g for ui, g in zip(u, leaves)]
     v = [vo + ui for vo, ui in zip(v_old, u)]
-    dense = float(sum(4 * g.size for g in leaves))
+    dense = float(sum(g.size * g.dtype.itemsize for g in leaves))
 
     def stage(density):
       def run(v, u):
@@ -203,9 +214,13 @@ def powersgd(rank: int = 1, *, axis_name: str | Sequence[str], start_step: int =
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
     names = axis_names("powersgd", axis_name)
+    check_per_device("powersgd", updates, names)
     leaves, treedef = jax.tree.flatten(updates)
     qs, es = treedef.flatten_up_to(state.q), treedef.flatten_up_to(state.error)
-    dense = float(sum(4 * g.size for g in leaves))
+    # Each error varies as its gradient does in both branches of the cond below (the
+    # compressed one derives it from the gradient), whatever the state's own type says.
+    es = [vary_like(e, g) for e, g in zip(es, leaves)]
+    dense = float(sum(g.size * g.dtype.itemsize for g in leaves))
     pmean = lambda x: jax.lax.pmean(x, names)
 
     def plain(leaves, qs, es):
@@ -216,7 +231,7 @@ def powersgd(rank: int = 1, *, axis_name: str | Sequence[str], start_step: int =
       for i, (g, q, e) in enumerate(zip(leaves, qs, es)):
         if not _compressible(g.shape, rank):
           out.append(pmean(g)), new_q.append(q), new_e.append(e)
-          sent += 4 * g.size
+          sent += g.size * g.dtype.itemsize
           continue
         n, m = _matrix_shape(g.shape)
         mat = g.reshape(n, m).astype(jnp.float32)
@@ -229,7 +244,7 @@ def powersgd(rank: int = 1, *, axis_name: str | Sequence[str], start_step: int =
         out.append(approx.reshape(g.shape).astype(g.dtype))
         new_q.append(q)
         new_e.append((mat - approx).reshape(e.shape).astype(e.dtype) if error_feedback else e)
-        sent += 4 * (n + m) * rank
+        sent += 4 * (n + m) * rank  # P and Q, in float32
       return out, new_q, new_e, jnp.float32(sent)
 
     out, q, e, sent = jax.lax.cond(state.count >= start_step, compressed, plain,

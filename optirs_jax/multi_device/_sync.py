@@ -5,7 +5,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import jax
+import jax.numpy as jnp
 import optax
+
+from optirs_jax.pallas.sharding import varying_axes
 
 OPS = ("mean", "sum")
 
@@ -28,6 +31,27 @@ def axis_names(fn: str, axis_name) -> tuple[str, ...]:
   return names
 
 
+def check_per_device(fn: str, grads, names: tuple[str, ...]) -> None:
+  """A ValueError naming the leaf when a gradient is already the same on every device along
+  ``names`` (inside a ``shard_map`` that checks varying axes): JAX summed it over the
+  devices when it differentiated at the replicated params, and averaging it again would
+  give N times the gradient. (Where the ``shard_map`` does not check them, nothing tells.)"""
+  probe = jax.lax.pcast(jnp.zeros((), jnp.float32), names, to="varying")
+  if not set(names) <= varying_axes(probe):
+    return  # check_vma=False (or pmap): the types carry no varying axes
+  paths = jax.tree_util.tree_flatten_with_path(grads)[0]
+  for path, g in paths:
+    missing = [n for n in names if n not in varying_axes(g)]
+    if missing:
+      raise ValueError(
+          f"{fn}: gradient leaf {jax.tree_util.keystr(path) or '<root>'} is already the same "
+          f"on every device along {tuple(missing)}: JAX summed it over the devices when it "
+          "differentiated at the replicated params, so reducing it again would give "
+          f"{' x '.join(str(jax.lax.axis_size(n)) for n in missing)} times the gradient. "
+          "Differentiate at a per-device copy, jax.tree.map(lambda p: jax.lax.pcast(p, "
+          f"{tuple(names)!r}, to='varying'), params), or drop the synchronization")
+
+
 def sync_gradients(grads, axis_name: str | Sequence[str], *, op: str = "mean"):
   r"""All-reduces gradients over a mesh axis: inside ``shard_map`` or ``pmap``.
 
@@ -35,7 +59,9 @@ def sync_gradients(grads, axis_name: str | Sequence[str], *, op: str = "mean"):
 
   One ``psum`` per leaf (XLA combines them; NCCL on GPUs, ICI on TPUs). Gradients of
   replicated params are varying over the axis inside a checked ``shard_map``; the result
-  is replicated (invariant) again.
+  is replicated (invariant) again. A gradient that is already invariant there (taken at
+  the replicated params themselves, which makes JAX sum it over the devices) is a
+  ValueError naming the leaf: reducing it again would multiply it by the device count.
 
   Args:
     grads: a tree of gradients (this device's).
@@ -57,6 +83,7 @@ def sync_gradients(grads, axis_name: str | Sequence[str], *, op: str = "mean"):
   if op not in OPS:
     raise ValueError(f"sync_gradients: op={op!r} is not one of {OPS}")
   names = axis_names("sync_gradients", axis_name)
+  check_per_device("sync_gradients", grads, names)
   reduce = jax.lax.pmean if op == "mean" else jax.lax.psum
   return jax.tree.map(lambda g: reduce(g, names), grads)
 

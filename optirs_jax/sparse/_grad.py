@@ -7,8 +7,9 @@ from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from optirs_jax.sparse._rowsparse import RowSparse
+from optirs_jax.sparse._rowsparse import RowSparse, out_of_range_to_sentinel
 
 
 def value_and_row_grad(loss_fn: Callable, table_argnum: int = 0, ids_argnum: int = 1, *,
@@ -23,7 +24,10 @@ def value_and_row_grad(loss_fn: Callable, table_argnum: int = 0, ids_argnum: int
   place of the table*: write ``loss_fn`` on the looked-up rows. It returns ``(value,
   row_grad)``, or ``(value, (row_grad, *grads))`` with the dense gradients of the arguments
   in ``argnums`` (a model's other params); ``value`` is ``(loss, aux)`` with ``has_aux``.
-  Repeated ids give repeated rows in the :class:`RowSparse` (the optimizers sum them).
+  Repeated ids give repeated rows in the :class:`RowSparse` (the optimizers sum them). An id
+  outside ``0..num_rows - 1`` is a ValueError where the ids are concrete; under ``jit``
+  its row reads as zeros and its gradient is dropped by the optimizers (one rule for the
+  forward pass and the update).
 
   .. math:: \frac{\partial L}{\partial T_{r}} = \sum_{i:\ \mathrm{ids}_i = r}
      \frac{\partial L}{\partial \mathrm{rows}_i}
@@ -55,7 +59,12 @@ def value_and_row_grad(loss_fn: Callable, table_argnum: int = 0, ids_argnum: int
     if not jnp.issubdtype(ids.dtype, jnp.integer):
       raise TypeError(f"value_and_row_grad: the ids have dtype {ids.dtype}; they must be "
                       "integers")
-    rows = jnp.take(table, ids, axis=0)
+    _check_ids(ids, table.shape[0])
+    # Out-of-range ids (traced ones, under jit) read rows of zeros, and the optimizers drop
+    # their gradients: the forward pass and the update follow one rule. (jnp.take would read
+    # the last row for -1 while the update dropped it.)
+    rows = jnp.take(table, out_of_range_to_sentinel(ids, table.shape[0]), axis=0,
+                    mode="fill", fill_value=0)
 
     def on_rows(rows, *others):
       a = list(args)
@@ -71,3 +80,16 @@ def value_and_row_grad(loss_fn: Callable, table_argnum: int = 0, ids_argnum: int
     return value, ((row_grad, *grads[1:]) if argnums else row_grad)
 
   return wrapped
+
+
+def _check_ids(ids, num_rows: int) -> None:
+  """A ValueError naming the first out-of-range id, where the ids are concrete."""
+  try:
+    values = np.asarray(ids)
+  except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+    return  # traced: rows of zeros in, gradients dropped (see value_and_row_grad)
+  bad = np.flatnonzero((values < 0) | (values >= num_rows))
+  if bad.size:
+    raise ValueError(f"value_and_row_grad: id {int(values.reshape(-1)[bad[0]])} (at flat "
+                     f"position {int(bad[0])}, one of {bad.size} out of range) is not a row "
+                     f"of the table: valid ids are 0..{num_rows - 1}")

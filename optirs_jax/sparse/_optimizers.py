@@ -22,6 +22,7 @@ from optirs_jax.transforms._checks import (
   check_number,
   check_number_or_schedule,
   check_unit_interval,
+  structure_mismatch,
 )
 from optirs_jax.transforms._checks import learning_rate as lr_at
 from optirs_jax.transforms.adam import adam_scalars
@@ -53,7 +54,9 @@ def _leaves(fn: str, grads, params):
   p_with_paths, p_def = jax.tree_util.tree_flatten_with_path(params)
   g_leaves, g_def = jax.tree.flatten(grads, is_leaf=is_sparse)
   if g_def != p_def:
-    raise ValueError(f"{fn}: the gradients' structure {g_def} is not the params' {p_def}"[:800])
+    paths = [jax.tree_util.keystr(kp) or "<root>" for kp, _ in p_with_paths]
+    raise ValueError(structure_mismatch(fn, "the gradients", grads, paths, "params", p_def,
+                                        is_leaf=is_sparse))
   out = []
   for (kp, p), g in zip(p_with_paths, g_leaves):
     path = jax.tree_util.keystr(kp) or "<root>"
@@ -77,8 +80,11 @@ def _get(x, rows):
   return x.at[rows].get(mode="fill", fill_value=0)
 
 
-def _check_state(fn: str, what: str, leaves, state_leaves):
+def _check_state(fn: str, what: str, leaves, state_leaves, tree=None):
   if len(state_leaves) != len(leaves):
+    paths = [path for path, *_ in leaves]
+    if tree is not None:
+      raise ValueError(structure_mismatch(fn, f"state.{what}", tree, paths, "params"))
     raise ValueError(f"{fn}: the state's {what} has {len(state_leaves)} leaves but the params "
                      f"have {len(leaves)}; it was made by init() for other params")
   for (path, p, _, _), s in zip(leaves, state_leaves):
@@ -173,8 +179,8 @@ def sparse_adam(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: floa
   def update(grads, state, params, fused):
     leaves, treedef = _leaves(fn, grads, params)
     mus, nus = jax.tree.leaves(state.mu), jax.tree.leaves(state.nu)
-    _check_state(fn, "mu", leaves, mus)
-    _check_state(fn, "nu", leaves, nus)
+    _check_state(fn, "mu", leaves, mus, state.mu)
+    _check_state(fn, "nu", leaves, nus, state.nu)
     lasts = jax.tree.leaves(state.last_seen) if catch_up else [None] * len(leaves)
     count_inc = optax.safe_increment(state.count)
     neg_lr, cast_lr = lr_at(lr, state.count)
@@ -249,7 +255,7 @@ def sparse_sgd(learning_rate: optax.ScalarOrSchedule, momentum: float | None = N
     traces = [None] * len(leaves)
     if momentum is not None:
       traces = jax.tree.leaves(state.trace)
-      _check_state(fn, "trace", leaves, traces)
+      _check_state(fn, "trace", leaves, traces, state.trace)
     neg_lr, cast_lr = lr_at(lr, state.count)
     h = Hyper(neg_lr=neg_lr, momentum=momentum)
     results, new_traces = [], []
