@@ -123,3 +123,16 @@ def test_case_gradients_are_the_tree_times_the_loss_scale_when_scaled():
     ref = jax.numpy.asarray(cases.make_tree(shapes, 1)[name], jax.numpy.bfloat16)
     assert (scaled[name] == ref * jax.numpy.asarray(2.0**15, jax.numpy.bfloat16)).all()
   assert cases.param_count(shapes) == 22
+
+
+def test_every_option_has_help_and_the_table_headers_are_distinct():
+  from optirs_jax.bench import cli
+  p = cli.parser()
+  for action in p._actions:
+    assert action.help, f"{action.option_strings} has no help text"
+  report = {"meta": {"date": "d", "device": "cpu: cpu", "versions": {"jax": "x"},
+                     "copy_gbps": 1.0, "scale": 1.0}, "results": []}
+  header = cli.table(report).splitlines()[-1].split("  ")
+  columns = [c.strip() for c in header if c.strip()]
+  assert len(columns) == len(set(columns)), columns
+  assert "kernel x optax" in columns and "call x optax" in columns

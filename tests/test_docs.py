@@ -50,3 +50,9 @@ def test_every_notebook_is_committed_with_its_outputs():
     assert code and all(c.execution_count for c in code), f"{path.name} is not executed"
     assert any("image/png" in o.get("data", {}) for c in code for o in c.outputs), (
         f"{path.name} has no plot")
+    # What a reader sees is the notebook's own output: no runtime's start-up noise (an
+    # environment with libtpu writes TPU initialization errors to stderr on a CPU machine).
+    stderr = "".join(o.get("text", "") for c in code for o in c.outputs
+                     if o.get("name") == "stderr")
+    for noise in ("libtpu", "E0000", "Traceback"):
+      assert noise not in stderr, f"{path.name}'s committed output holds {noise!r}"
