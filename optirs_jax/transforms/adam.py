@@ -131,8 +131,8 @@ def adamw(learning_rate: optax.ScalarOrSchedule, b1: jax.typing.ArrayLike = 0.9,
   learning rate, as in optax and PyTorch.
 
   Args:
-    learning_rate, b1, b2, eps, eps_root, mu_dtype, nu_dtype, nesterov, stochastic_rounding,
-      rounding_seed, backend, executor_options: as in :func:`adam`.
+    learning_rate, b1, b2, eps, eps_root, mu_dtype, nu_dtype, nesterov: as in :func:`adam`.
+    stochastic_rounding, rounding_seed, backend, executor_options: as in :func:`adam`.
     weight_decay: the decay :math:`\lambda`, a number or a schedule.
     mask: a tree of bools (or a prefix of the params tree), or a callable returning one,
       ``True`` where the decay applies. Adam itself applies to every leaf.

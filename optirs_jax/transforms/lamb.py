@@ -53,9 +53,11 @@ def lamb(learning_rate: optax.ScalarOrSchedule, b1: jax.typing.ArrayLike = 0.9,
   per-leaf norms and a second elementwise pass applies the ratio.
 
   Args:
-    learning_rate, b1, b2, eps, eps_root, mu_dtype, nu_dtype, stochastic_rounding,
-      rounding_seed, backend, executor_options: as in :func:`~optirs_jax.adam` (optax's
-      lamb has neither dtype option; ``None`` keeps optax's dtypes).
+    learning_rate, b1, b2, eps, eps_root, mu_dtype, nu_dtype: as in
+      :func:`~optirs_jax.adam` (optax's lamb has neither dtype option; ``None`` keeps
+      optax's dtypes).
+    stochastic_rounding, rounding_seed, backend, executor_options: as in
+      :func:`~optirs_jax.adam`.
     weight_decay: the decay :math:`\lambda` (a number or a schedule).
     mask: where the decay applies (the trust ratio applies to every leaf).
     axis_name: inside a ``shard_map`` whose leaves are sharded over these mesh axes, the
