@@ -6,6 +6,8 @@ from typing import Any
 
 import optax
 
+from optirs_jax import fusion
+
 
 def apply(tx: optax.GradientTransformation, grads: Any, opt_state: Any,
           params: Any) -> tuple[Any, Any]:
@@ -17,9 +19,14 @@ def apply(tx: optax.GradientTransformation, grads: Any, opt_state: Any,
 
   .. math:: p' = p + u, \qquad (u, s') = \mathrm{tx.update}(g, s, p)
 
-  i.e. of ``tx.update`` followed by :func:`optax.apply_updates`. For any other
-  transformation (an ``optax.chain``, ``optax.inject_hyperparams``, ...) it runs exactly
-  that pair, so it is always safe to call.
+  i.e. of ``tx.update`` followed by :func:`optax.apply_updates`. So it is for what users
+  wrap optimizers in: ``optax.chain`` of ``clip_by_global_norm``, ``clip``, ``scale``,
+  ``scale_by_learning_rate``, ``scale_by_schedule``, ``add_decayed_weights`` and an
+  optirs_jax optimizer (the links fold into the kernel's pass; the global norm is one more
+  read of the gradients), ``optax.inject_hyperparams`` of one, and the mixed-precision
+  wrappers (:mod:`optirs_jax.fusion`). For any other transformation it runs exactly that
+  pair, so it is always safe to call; :func:`optirs_jax.fusion.explain` says which path a
+  transformation takes.
 
   Donate params and state in the order the step returns them: JAX pairs each donated
   argument with the first unclaimed output of the same shape and dtype, and a step taking
@@ -36,8 +43,11 @@ def apply(tx: optax.GradientTransformation, grads: Any, opt_state: Any,
     >>> params["w"]
     Array([0.98999906, 0.98999906, 0.98999906, 0.98999906], dtype=float32)
   """
-  fused = getattr(tx.update, "fused_apply", None)
-  if fused is not None:
-    return fused(grads, opt_state, params)
+  step = fusion.fused_step(tx)
+  if step is not None:
+    try:
+      return step(grads, opt_state, params)
+    except fusion.NotFused:  # known only once traced (an inner optimizer without a kernel)
+      pass
   updates, opt_state = tx.update(grads, opt_state, params)
   return optax.apply_updates(params, updates), opt_state

@@ -120,6 +120,47 @@ class OptimizerSpec:
   validate: Callable[[str, Mapping[str, Any]], None] | None = None
 
 
+# What an optax link before the optimizer does to each gradient element, folded into the
+# optimizer's pass (:mod:`optirs_jax.fusion`): the scalars it reads (``h.pro<k>_<name>``, the
+# k-th link's), whether it reads the params, and the element function, in optax's own order
+# of operations.
+PROLOGUE_SCALARS = {
+    "clip_by_global_norm": ("norm", "max"),  # select(norm < max, g, (g / norm) * max)
+    "clip": ("max",),  # clip(g, -max, max)
+    "scale": ("step",),  # step * g
+    "scale_by_schedule": ("step",),  # step (in g's dtype) * g
+    "add_decayed_weights": ("wd",),  # g + wd * p
+}
+
+
+def prologue_names(kinds: tuple[str, ...]) -> tuple[str, ...]:
+  """The hyper-parameter names of a prologue's links, in order."""
+  return tuple(f"pro{k}_{name}" for k, kind in enumerate(kinds)
+               for name in PROLOGUE_SCALARS[kind])
+
+
+def apply_prologue(kinds: tuple[str, ...], h, g, p):
+  """The links ``kinds`` applied to the gradient ``g`` (``p``: the params, read by
+  ``add_decayed_weights``), each as optax computes it."""
+  for k, kind in enumerate(kinds):
+    a = lambda name, k=k: h[f"pro{k}_{name}"]
+    if kind == "clip_by_global_norm":
+      norm, top = a("norm"), a("max")
+      keep = jnp.broadcast_to(norm < top, g.shape)  # Mosaic GPU selects between equal shapes
+      g = jnp.where(keep, g, (g / jnp.asarray(norm).astype(g.dtype)) * top)
+    elif kind == "clip":
+      g = jnp.clip(g, -a("max"), a("max"))
+    elif kind == "scale":
+      g = a("step") * g
+    elif kind == "scale_by_schedule":
+      g = jnp.asarray(a("step")).astype(g.dtype) * g
+    elif kind == "add_decayed_weights":
+      g = g + a("wd") * p
+    else:
+      raise ValueError(f"unknown prologue link {kind!r}; valid: {sorted(PROLOGUE_SCALARS)}")
+  return g
+
+
 @dataclasses.dataclass(frozen=True)
 class BoundRule:
   """A spec's rule with its wiring and static options bound: ``(h, *inputs) -> outputs``.
@@ -138,6 +179,8 @@ class BoundRule:
     update path gives the inner optimizer);
   * ``unscale``: ``g`` is multiplied by ``h.inv_scale`` first (a loss scale's inverse; the
     product in float32 or wider);
+  * ``prologue``: optax links before the optimizer, applied to ``g`` next
+    (:func:`apply_prologue`: global-norm and element clipping, scaling, decay);
   * ``apply``: the first output is the new params ``p + u`` in the params' dtype, as
     :func:`optax.apply_updates` computes them;
   * ``master``: ``p`` is a float32 master copy; the outputs are the low-precision params
@@ -163,6 +206,7 @@ class BoundRule:
   wide_grads: bool = False
   rounding: bool = False
   param_rounding: bool = False
+  prologue: tuple[str, ...] = ()
 
   @property
   def widens_mixed(self) -> bool:
@@ -204,7 +248,10 @@ class BoundRule:
       to = None
     widen = lambda x: x if to is None or x.dtype == to else x.astype(to)
     p = widen(extra[0]) if self.with_params else None
-    u, *new_state = self.fn(h, widen(g), p=p, **dict(zip(self.fields, map(widen, state))),
+    g = widen(g)
+    if self.prologue:
+      g = apply_prologue(self.prologue, h, g, p)
+    u, *new_state = self.fn(h, g, p=p, **dict(zip(self.fields, map(widen, state))),
                             **dict(self.static))
 
     def cast(x, dtype, salt, seed):

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from optirs_jax import fusion
 from optirs_jax.dtypes import widened
 from optirs_jax.mixed_precision._finite import unscaled_all_finite
 from optirs_jax.mixed_precision._loss_scale import (
@@ -43,8 +44,9 @@ class MasterWeightsState(NamedTuple):
 
 
 def _fused(tx):
-  """The fused apply of an optirs_jax transformation (or of these wrappers), else None."""
-  return getattr(tx.update, "fused_apply", None)
+  """The fused step of ``tx`` (an optirs_jax optimizer, a chain around one, ...; see
+  :mod:`optirs_jax.fusion`), else None."""
+  return fusion.fused_step(tx)
 
 
 def _as_state(loss_scale: LossScale) -> LossScale:
@@ -130,8 +132,10 @@ def with_loss_scaling(inner: optax.GradientTransformation,
                             state.inner_state)
     return new_updates, _next(state, finite, new_inner)
 
-  def fused_apply(grads, state, params):
+  def fused_apply(grads, state, params, *, prologue=(), **unused):
     fused = _fused(inner)
+    if prologue or unused:  # links before the loss scaling: not folded in
+      raise fusion.NotFused("with_loss_scaling after other links")
     if fused is None:  # not an optirs_jax optimizer: the unfused pair
       updates, state = update_fn(grads, state, params)
       return optax.apply_updates(params, updates), state
@@ -145,14 +149,20 @@ def with_loss_scaling(inner: optax.GradientTransformation,
       # kernels' guard, a select on the tree-wide flag in every leaf's fusion, took
       # XLA:CPU 54 s to compile on GPT-2's 148 leaves (1/1000 scale); with the
       # conditional the step compiles in 2.5 s.
-      new_params, new_inner = jax.lax.cond(
-          finite,
-          lambda: _keep_dtypes(fused(grads, state.inner_state, params, inv_scale=inv),
-                               (params, state.inner_state)),
-          lambda: (params, state.inner_state))
+      step = lambda: _keep_dtypes(fused(grads, state.inner_state, params, inv_scale=inv),
+                                  (params, state.inner_state))
+      try:
+        new_params, new_inner = jax.lax.cond(finite, step, lambda: (params, state.inner_state))
+      except fusion.NotFused:
+        updates, state = update_fn(grads, state, params)
+        return optax.apply_updates(params, updates), state
     else:  # the kernels skip the step in place, with no round trip to the host
-      new_params, new_inner = fused(grads, state.inner_state, params, inv_scale=inv,
-                                    finite=finite)
+      try:
+        new_params, new_inner = fused(grads, state.inner_state, params, inv_scale=inv,
+                                      finite=finite)
+      except fusion.NotFused:
+        updates, state = update_fn(grads, state, params)
+        return optax.apply_updates(params, updates), state
     return new_params, _next(state, finite, new_inner)
 
   def _next(state, finite, new_inner):
@@ -160,6 +170,8 @@ def with_loss_scaling(inner: optax.GradientTransformation,
                             state.skipped_steps + (~finite).astype(jnp.int32), new_inner)
 
   update_fn.fused_apply = fused_apply
+  update_fn.optirs_name = f"with_loss_scaling({fusion.name_of(inner)})"
+  update_fn.folds_links = False  # outermost: the gradients it unscales are the loss's
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
@@ -274,8 +286,19 @@ def master_weights(inner: optax.GradientTransformation, *, stochastic_rounding: 
                                jax.tree.map(lambda t: t[1], pairs, is_leaf=is_pair),
                                new_inner))
 
-  def fused_apply(grads, state, params, *, inv_scale=None, finite=None):
+  def fused_apply(grads, state, params, *, inv_scale=None, finite=None, prologue=(),
+                  **unused):
+    if prologue or unused:  # links before the master weights: not folded in
+      raise fusion.NotFused("master_weights after other links")
     fused = _fused(inner)
+    if fused is not None:
+      full(params, state.master)  # checked: the same leaves
+      try:
+        new_params, new_inner, new_master = fused(grads, state.inner_state, params,
+                                                  master=state.master, inv_scale=inv_scale,
+                                                  finite=finite, param_seed=seed)
+      except fusion.NotFused:
+        fused = None
     if fused is None:  # not an optirs_jax optimizer: unscale and guard in jnp
       grads = grads if inv_scale is None else jax.tree.map(
           lambda g: g.astype(widened(g.dtype)) * inv_scale.astype(widened(g.dtype)), grads)
@@ -285,14 +308,12 @@ def master_weights(inner: optax.GradientTransformation, *, stochastic_rounding: 
         return new_params, new_state
       return (select_tree(finite, new_params, params),
               select_tree(finite, _keep_dtypes(new_state, state), state))
-    full(params, state.master)  # checked: the same leaves
-    new_params, new_inner, new_master = fused(grads, state.inner_state, params,
-                                              master=state.master, inv_scale=inv_scale,
-                                              finite=finite, param_seed=seed)
     count = optax.safe_increment(state.count)
     if finite is not None:
       count = jnp.where(finite, count, state.count)
     return new_params, MasterWeightsState(count, new_master, new_inner)
 
   update_fn.fused_apply = fused_apply
+  update_fn.optirs_name = f"master_weights({fusion.name_of(inner)})"
+  update_fn.folds_links = False  # put the links inside: master_weights(chain(...))
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -12,6 +12,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from optirs_jax.fusion import NotFused
 from optirs_jax.pallas import lazy_branches, sharding
 from optirs_jax.pallas.dispatch import lowering_targets
 from optirs_jax.pallas.op import hyper_vector, read_hyper
@@ -268,10 +269,17 @@ def _make(fn: str, learning_rate_, b1, b2, eps, weight_decay, block_size, min_8b
     del extra_args
     return step(updates, state, params, fused=False)
 
-  def fused_apply(grads, state, params):
+  def fused_apply(grads, state, params, *, master=None, inv_scale=None, finite=None,
+                  prologue=(), **unused):
+    del unused  # a param_seed: 8-bit Adam rounds to nearest
+    if master is not None or inv_scale is not None or finite is not None or prologue:
+      # Not yet in the 8-bit kernel: optirs_jax.apply runs update + apply_updates.
+      raise NotFused(f"{fn} does not fold master weights, loss scaling or chain links in")
     return step(grads, state, params, fused=True)
 
   update_fn.fused_apply = fused_apply
+  update_fn.optirs_name = fn
+  update_fn.folds_links = False  # optirs_jax.fusion: a chain's links are not folded in yet
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 

@@ -27,7 +27,7 @@ from optirs_jax.pallas.op import ElementwiseOp, Hyper
 from optirs_jax.pallas.options import ExecutorOptions
 from optirs_jax.pallas.sharding import varying_axes
 from optirs_jax.rounding import split16
-from optirs_jax.spec import BoundRule, OptimizerSpec
+from optirs_jax.spec import BoundRule, OptimizerSpec, prologue_names
 from optirs_jax.transforms import _checks as c
 
 # What each kind of argument a spec declares must be.
@@ -91,7 +91,7 @@ def build(spec: OptimizerSpec,
                       **{f.name: init(f) if f.exists(options) else None for f in spec.fields})
 
   def step(updates, state, params, *, fused=False, master=None, inv_scale=None, finite=None,
-           param_seed=OWN):
+           param_seed=OWN, prologue=()):
     g, paths, treedef = c.flatten(fn, "updates", updates)
     columns = [c.match(fn, f"state.{f.name}", getattr(state, f.name), treedef, g, paths)
                for f in fields]
@@ -107,12 +107,17 @@ def build(spec: OptimizerSpec,
     neg_lr, cast_lr = c.learning_rate(options["learning_rate"], count)
     wd, has_decay = (c.weight_decay_value(options["weight_decay"], count)
                      if spec.weight_decay else (0.0, False))
-    if p is None and (fused or has_decay or spec.reads_params or spec.reduction):
+    reads_p = any(kind == "add_decayed_weights" for kind, _ in prologue)
+    if p is None and (fused or has_decay or spec.reads_params or spec.reduction or reads_p):
       raise ValueError(f"{fn}: this transformation needs the params: call "
                        "update(updates, state, params)")
     scalars = dict(spec.scalars(options, count), neg_lr=neg_lr, wd=wd)
     if inv_scale is not None:
       scalars["inv_scale"] = inv_scale
+    # optax links folded in before the rule (optirs_jax.fusion): (kind, {name: value}) each.
+    kinds = tuple(kind for kind, _ in prologue)
+    scalars.update({f"pro{k}_{name}": v for k, (_, values) in enumerate(prologue)
+                    for name, v in values.items()})
     if finite is not None:
       scalars["finite"] = jnp.asarray(finite).astype(jnp.float32)
     if seed is not None or param_seed is not None:
@@ -134,7 +139,7 @@ def build(spec: OptimizerSpec,
       mode = _Mode(fused=fused, master=in_master, unscale=inv_scale is not None,
                    guard=finite is not None, rounding=seed is not None,
                    param_rounding=fused and param_seed is not None,
-                   cast_lr=cast_lr)
+                   cast_lr=cast_lr, prologue=kinds)
       op, with_p, with_low = _op(spec, options, names, mode, decay=decay)
       leaves = [(g[i], *(col[i] for col in columns)) + ((weights[i],) if with_p else ())
                 + ((p[i],) if with_low else ()) for i in idx]
@@ -174,7 +179,7 @@ def build(spec: OptimizerSpec,
     return step(updates, state, params)
 
   def fused_apply(grads, state, params, *, master=None, inv_scale=None, finite=None,
-                  param_seed=OWN):
+                  param_seed=OWN, prologue=()):
     """``(new params, new state)`` in one pass.
 
     With ``master`` (a tree like the params holding float32 copies of the half-precision
@@ -183,11 +188,14 @@ def build(spec: OptimizerSpec,
     the gradients inside the kernel; where ``finite`` is False nothing changes (the count
     neither). ``param_seed`` rounds the new half-precision params stochastically with that
     seed (``None``: to nearest; by default as the optimizer's ``stochastic_rounding``).
+    ``prologue``: ``(kind, {name: value})`` per optax link applied to the gradients first,
+    in the same pass (:func:`optirs_jax.spec.apply_prologue`; :mod:`optirs_jax.fusion`).
     """
     return step(grads, state, params, fused=True, master=master, inv_scale=inv_scale,
-                finite=finite, param_seed=param_seed)
+                finite=finite, param_seed=param_seed, prologue=prologue)
 
   update_fn.fused_apply = fused_apply
+  update_fn.optirs_name = spec.name
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
@@ -202,6 +210,7 @@ class _Mode:
   rounding: bool
   param_rounding: bool
   cast_lr: bool
+  prologue: tuple[str, ...] = ()
 
 
 def _op(spec: OptimizerSpec, options, names, mode: _Mode, *, decay: bool):
@@ -211,13 +220,14 @@ def _op(spec: OptimizerSpec, options, names, mode: _Mode, *, decay: bool):
   if spec.weight_decay:
     static["decay"] = decay
   apply_in_kernel = mode.fused and spec.reduction is None
-  with_p = spec.reads_params or decay or spec.reduction is not None or apply_in_kernel
+  with_p = (spec.reads_params or decay or spec.reduction is not None or apply_in_kernel
+            or "add_decayed_weights" in mode.prologue)
   with_low = apply_in_kernel and mode.master
   rule = BoundRule(spec.rule, names, with_p, tuple(sorted(static.items())),
                    apply=apply_in_kernel and not mode.master, master=with_low,
                    unscale=mode.unscale, guard=mode.guard, wide_grads=mode.master,
                    rounding=mode.rounding,
-                   param_rounding=mode.param_rounding)
+                   param_rounding=mode.param_rounding, prologue=mode.prologue)
   inputs = ("g", *names) + (("p",) if with_p else ()) + (("p_low",) if with_low else ())
   outputs = ("u", *names) + (("master",) if with_low else ())
   aliases = tuple((1 + k, 1 + k) for k in range(len(names)))
@@ -227,7 +237,8 @@ def _op(spec: OptimizerSpec, options, names, mode: _Mode, *, decay: bool):
     aliases += ((inputs.index("p"), 0),)
   reduction = spec.reduction
   pads = (0.0, *(f.pad for f in spec.fields if f.name in names)) + (0.0,) * (with_p + with_low)
-  hyper = spec.hyper + (("inv_scale",) if mode.unscale else ()) + (
+  hyper = spec.hyper + (("inv_scale",) if mode.unscale else ()) + prologue_names(
+      mode.prologue) + (
       ("finite",) if mode.guard else ()) + (("count_lo", "count_hi") if rule.indexed else ()) + (
       ("seed_lo", "seed_hi") if mode.rounding else ()) + (
       ("pseed_lo", "pseed_hi") if mode.param_rounding else ())
