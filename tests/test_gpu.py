@@ -154,3 +154,44 @@ def test_8bit_triton_kernel_matches_reference(name):
       assert same.mean() > 0.999, (k, field, same.mean())
       np.testing.assert_allclose(np.asarray(a.dequantize()), np.asarray(b.dequantize()),
                                  rtol=0.15, atol=1e-12)
+
+
+def _contract(tx):
+  def step(p, s, g):
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), s
+  return jax.jit(step)
+
+
+@pytest.mark.parametrize("finite", [True, False], ids=["finite", "inf"])
+def test_loss_scaled_contract_path_on_the_kernels_equals_the_reference(finite):
+  """with_loss_scaling(master_weights(adamw)) through update + apply_updates: on the GPU the
+  kernels unscale and guard (guarded_update); the same numbers as the jnp reference, and a
+  non-finite step changes nothing."""
+  from optirs_jax import mixed_precision as mp
+  params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), cases.ragged_tree(0, shapes=BIG))
+  grads = jax.tree.map(lambda x: (x * 2.0**8).astype(jnp.bfloat16),
+                       cases.ragged_tree(1, shapes=BIG))
+  if not finite:
+    grads["w"] = grads["w"].at[3, 5].set(jnp.inf)
+  make = lambda backend: mp.with_loss_scaling(mp.master_weights(
+      optirs_jax.adamw(1e-3, backend=backend)), mp.DynamicLossScale(2.0**8))
+  gpu, ref = make("auto"), make("jnp")
+  got = _contract(gpu)(params, gpu.init(params), grads)
+  want = _contract(ref)(params, ref.init(params), grads)
+  chex.assert_trees_all_close(got, want, rtol=1e-6, atol=1e-7)
+  assert int(mp.skipped_steps_of(got[1])) == (0 if finite else 1)
+  if not finite:
+    chex.assert_trees_all_equal(got[0], params)
+
+
+def test_a_clipped_chain_on_the_kernels_equals_the_reference():
+  chain = lambda backend: optax.chain(optax.clip_by_global_norm(1.0),
+                                      optirs_jax.adamw(1e-3, backend=backend))
+  params, grads = cases.ragged_tree(0, shapes=BIG), cases.ragged_tree(1, shapes=BIG)
+  gpu, ref = chain("auto"), chain("jnp")
+  step = lambda tx: jax.jit(lambda p, s, g: optirs_jax.apply(tx, g, s, p))
+  got = step(gpu)(params, gpu.init(params), grads)
+  want = _contract(ref)(params, ref.init(params), grads)
+  # The global norm is summed blockwise on the GPU: a few ulps from optax's.
+  chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-7)

@@ -115,6 +115,16 @@ def _mixed(**o):
   return mp.with_loss_scaling(mp.master_weights(optirs_jax.adamw(1e-3, weight_decay=1e-2, **o)))
 
 
+def _mixed_optax():
+  """The same wrappers around optax's adamw: what optax does with them."""
+  return mp.with_loss_scaling(mp.master_weights(optax.adamw(1e-3, weight_decay=1e-2)))
+
+
+def _clipped(inner):
+  """The usual LLM recipe: clip the gradients' global norm, then the optimizer."""
+  return optax.chain(optax.clip_by_global_norm(1.0), inner)
+
+
 OPTIMIZERS = {
     "adam": Opt(28, lambda **o: optirs_jax.adam(1e-3, **o), lambda: optax.adam(1e-3),
                 _torch("Adam", lr=1e-3)),
@@ -134,7 +144,16 @@ OPTIMIZERS = {
                    _torch("Adagrad", lr=1e-3)),
     # Read g (bf16) twice (finiteness, then the step), master, mu, nu (f32); write master,
     # mu, nu (f32) and p (bf16): 2 + 2 + 12 + 12 + 2 = 30 bytes per parameter.
-    "adamw_bf16_master": Opt(30, _mixed, None, dtype=jnp.bfloat16, scaled=True),
+    "adamw_bf16_master": Opt(30, _mixed, _mixed_optax, dtype=jnp.bfloat16, scaled=True),
+    # optax.chain(clip_by_global_norm(1.0), adamw): the gradients read once more for their
+    # global norm, 28 + 4 = 32 bytes per parameter.
+    "adamw_clip": Opt(32, lambda **o: _clipped(optirs_jax.adamw(1e-3, weight_decay=1e-2, **o)),
+                      lambda: _clipped(optax.adamw(1e-3, weight_decay=1e-2))),
+    # optax.inject_hyperparams: the hyper-parameters are state, the same 28 bytes.
+    "adamw_inject": Opt(28, lambda **o: optax.inject_hyperparams(optirs_jax.adamw)(
+        learning_rate=1e-3, weight_decay=1e-2, **o),
+                        lambda: optax.inject_hyperparams(optax.adamw)(
+                            learning_rate=1e-3, weight_decay=1e-2)),
     # 8-bit moments: read p, g (f32) and both codes; write p and both codes (the per-block
     # scales add 16 bytes per 256 parameters): 4 + 4 + 1 + 1 + 4 + 1 + 1 = 16 bytes. No
     # optax equivalent: compare with the "adam" case of the same run.

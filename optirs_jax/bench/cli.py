@@ -13,6 +13,7 @@ import jax
 import optax
 
 import optirs_jax
+from optirs_jax import fusion
 from optirs_jax.bench import timing
 from optirs_jax.bench.cases import (
   JAX_IMPLS,
@@ -43,6 +44,8 @@ def bench_jax(impl, opt, shapes, args):
                                                  batches=args.batches, per_batch=args.steps)
   kernel, (params, state) = timing.kernel_seconds_per_step(run, (params, state), args.steps)
   out = {"ms": sec * 1e3, "host_ms": host * 1e3, "first_call_s": first_s,
+         "path": (fusion.explain(tx) if impl == "optirs-apply" else
+                  "update + apply_updates"),
          "kernel_ms": None if kernel is None else kernel * 1e3,
          "step_memory_bytes": timing.step_memory(jitted, *abstract)}
   if args.loop_steps:  # K steps inside one jitted call (includes the while loop's overhead)
@@ -207,6 +210,9 @@ def table(report: dict) -> str:
                  + cell(r.get("kernel_x_optax"), 16, ".2f") + cell(r["ms"], 9, ".3f")
                  + cell(r.get("host_ms"), 9, ".3f") + cell(r.get("x_optax"), 14, ".2f")
                  + cell(r.get("first_call_s"), 9, ".2f"))
+  paths = sorted({(r["optimizer"], r["path"]) for r in report["results"]
+                  if r.get("path") and r["impl"] == "optirs-apply"})
+  lines += [f"# optirs-apply on {name}: {path}" for name, path in paths]
   return "\n".join(lines)
 
 

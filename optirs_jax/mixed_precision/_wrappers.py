@@ -67,6 +67,13 @@ def _reference_only(grads, finite) -> bool:
   return not lowering_targets([leaves]) and not varying_axes(finite)
 
 
+def _inverse(loss_scale):
+  """What the gradients are multiplied by to unscale them (None: nothing to unscale)."""
+  if isinstance(loss_scale, NoOpLossScale):
+    return None
+  return 1.0 / jnp.asarray(loss_scale.loss_scale, jnp.float32)
+
+
 def _keep_dtypes(new, old):
   """``new`` with each leaf in ``old``'s dtype (so a skipped step can select either)."""
   return jax.tree.map(lambda n, o: n.astype(o.dtype) if hasattr(o, "dtype") else n, new, old)
@@ -124,6 +131,20 @@ def with_loss_scaling(inner: optax.GradientTransformation,
     return LossScalingState(_as_state(loss_scale), jnp.zeros([], jnp.int32), inner.init(params))
 
   def update_fn(updates, state, params=None, **extra_args):
+    guarded = getattr(inner.update, "guarded_update", None)
+    if guarded is not None and not extra_args:
+      # The optax contract on the kernels: one read-only pass for the flag, then the
+      # inner optimizer unscales as it reads and keeps its state on a skipped step, in
+      # place (no unscaled copy of the gradients, no select over the state).
+      inv = _inverse(state.loss_scale)
+      finite = unscaled_all_finite(jax.tree.leaves(updates), inv)
+      if not _reference_only(updates, finite):  # (XLA:CPU: the selects below compile faster)
+        try:
+          new_updates, new_inner = guarded(updates, state.inner_state, params, inv_scale=inv,
+                                           finite=finite)
+          return new_updates, _next(state, finite, new_inner)
+        except fusion.NotFused:
+          pass
     grads = state.loss_scale.unscale(updates)
     finite = all_finite(grads)
     new_updates, new_inner = inner.update(grads, state.inner_state, params, **extra_args)
@@ -139,9 +160,7 @@ def with_loss_scaling(inner: optax.GradientTransformation,
     if fused is None:  # not an optirs_jax optimizer: the unfused pair
       updates, state = update_fn(grads, state, params)
       return optax.apply_updates(params, updates), state
-    ls = state.loss_scale
-    inv = None if isinstance(ls, NoOpLossScale) else 1.0 / jnp.asarray(ls.loss_scale,
-                                                                          jnp.float32)
+    inv = _inverse(state.loss_scale)
     # Read-only, nothing is written: on the GPU one grouped pass over the gradients.
     finite = unscaled_all_finite(jax.tree.leaves(grads), inv)
     if _reference_only(grads, finite):
@@ -271,7 +290,10 @@ def master_weights(inner: optax.GradientTransformation, *, stochastic_rounding: 
                          updates, params)
     u, new_inner = inner.update(grads, state.inner_state, full(params, state.master),
                                 **extra_args)
+    return _with_masters(params, state, u, new_inner)
 
+  def _with_masters(params, state, u, new_inner, finite=None):
+    """(updates, new state) from the inner optimizer's float32 updates of the masters."""
     def step(p, m, u):
       if not _is_half(p):
         return u, m
@@ -281,10 +303,23 @@ def master_weights(inner: optax.GradientTransformation, *, stochastic_rounding: 
 
     pairs = jax.tree.map(step, params, state.master, u)
     is_pair = lambda x: isinstance(x, tuple)
+    count = optax.safe_increment(state.count)
+    if finite is not None:
+      count = jnp.where(finite, count, state.count)
     return (jax.tree.map(lambda t: t[0], pairs, is_leaf=is_pair),
-            MasterWeightsState(optax.safe_increment(state.count),
-                               jax.tree.map(lambda t: t[1], pairs, is_leaf=is_pair),
+            MasterWeightsState(count, jax.tree.map(lambda t: t[1], pairs, is_leaf=is_pair),
                                new_inner))
+
+  def guarded_update(updates, state, params, *, inv_scale=None, finite=None):
+    """``update`` with the gradients unscaled by ``inv_scale`` and a step where ``finite``
+    is False that changes nothing (zero updates, the inner state as it was), inside the
+    inner optimizer's kernels."""
+    guarded = getattr(inner.update, "guarded_update", None)
+    if guarded is None or params is None:
+      raise fusion.NotFused("master_weights around an optimizer without a guarded update")
+    u, new_inner = guarded(updates, state.inner_state, full(params, state.master),
+                           inv_scale=inv_scale, finite=finite)
+    return _with_masters(params, state, u, new_inner, finite)
 
   def fused_apply(grads, state, params, *, inv_scale=None, finite=None, prologue=(),
                   **unused):
@@ -314,6 +349,7 @@ def master_weights(inner: optax.GradientTransformation, *, stochastic_rounding: 
     return new_params, MasterWeightsState(count, new_master, new_inner)
 
   update_fn.fused_apply = fused_apply
+  update_fn.guarded_update = guarded_update
   update_fn.optirs_name = f"master_weights({fusion.name_of(inner)})"
   update_fn.folds_links = False  # put the links inside: master_weights(chain(...))
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

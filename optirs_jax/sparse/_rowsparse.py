@@ -56,8 +56,14 @@ def coalesce(g: RowSparse) -> tuple[jax.Array, jax.Array]:
   entries by the out-of-range row ``num_rows`` (which gathers zeros and scatters nowhere)."""
   n = g.indices.shape[0]
   idx = out_of_range_to_sentinel(g.indices.astype(jnp.int32), g.num_rows)
-  rows, inverse = jnp.unique(idx, size=n, fill_value=g.num_rows, return_inverse=True)
-  values = jax.ops.segment_sum(g.values, inverse.reshape(-1), num_segments=n)
+  # One sort of (row, position) pairs, where jnp.unique(return_inverse=True) sorted twice.
+  keys, perm = jax.lax.sort((idx, jnp.arange(n, dtype=jnp.int32)), num_keys=1,
+                            is_stable=True)
+  first = jnp.concatenate([jnp.ones((1,), bool), keys[1:] != keys[:-1]])
+  segment = jnp.cumsum(first.astype(jnp.int32)) - 1  # each sorted entry's unique row
+  rows = jnp.full((n,), g.num_rows, jnp.int32).at[segment].set(keys)
+  values = jax.ops.segment_sum(g.values[perm], segment, num_segments=n,
+                               indices_are_sorted=True)
   return rows, values
 
 

@@ -194,7 +194,14 @@ def build(spec: OptimizerSpec,
     return step(grads, state, params, fused=True, master=master, inv_scale=inv_scale,
                 finite=finite, param_seed=param_seed, prologue=prologue)
 
+  def guarded_update(updates, state, params=None, *, inv_scale=None, finite=None):
+    """``update`` with the gradients multiplied by ``inv_scale`` as they are read, and a
+    step where ``finite`` is False that returns zero updates and the state as it was (a
+    loss-scaled step on the optax contract, without an unscaled copy or a select)."""
+    return step(updates, state, params, inv_scale=inv_scale, finite=finite)
+
   update_fn.fused_apply = fused_apply
+  update_fn.guarded_update = guarded_update
   update_fn.optirs_name = spec.name
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
