@@ -1,22 +1,20 @@
 #!/usr/bin/env bash
 # One call on the GPU machine. Everything lands under $OUT. Run from the repository root
 # with the wheels the GPU image lacks in .whl/ (dm-haiku, jmp):
-#   STEPS=env,gemm,occupancy,tiling,tests,bench bash benchmarks/run_h200.sh [pytest args...]
+#   STEPS=env,gemm,occupancy,tests,bench bash benchmarks/run_h200.sh [pytest args...]
 # Steps: env (versions), gemm (benchmarks/gemm_tflops.py), occupancy
-# (benchmarks/occupancy_vs_driver.py), tiling (benchmarks/tiling_variants.py), census
-# (benchmarks/hlo_census.py $CENSUS_ARGS), unpack (benchmarks/unpack_variants.py), policy
-# (benchmarks/policy_variants.sh), sharded (benchmarks/sharded_overhead.py), grouped
-# (benchmarks/grouped_tiling.py $GROUPED_ARGS), finite (benchmarks/finite_tiling.py
-# $FINITE_ARGS), mosaic (benchmarks/mosaic_tiling.py once per "|"-separated argument list
-# of $MOSAIC_RUNS), breakdown (benchmarks/kernel_breakdown.py
-# for each "tree:optimizer" of $BREAKDOWN), firstcall (benchmarks/first_call.py, one process
+# (benchmarks/occupancy_vs_driver.py), policy (benchmarks/policy_variants.sh), sharded
+# (benchmarks/sharded_overhead.py), grouped (benchmarks/grouped_tiling.py $GROUPED_ARGS),
+# finite (benchmarks/finite_tiling.py $FINITE_ARGS), breakdown
+# (benchmarks/kernel_breakdown.py for each "tree:optimizer:impl" of $BREAKDOWN), firstcall (benchmarks/first_call.py, one process
 # per "tree:optimizer:impl" of $FIRST_CALLS, $FIRST_CALL_REPS rounds, each round once per
 # package folder of $FIRST_CALL_PATHS, e.g. ". old" with an older checkout's optirs_jax in
 # old/: alternating, so the machine's drift falls on each alike), compileprof
 # (benchmarks/compile_profile.py, one process per "tree:optimizer:impl" of $COMPILE_PROFILES),
 # sass (benchmarks/xla_sass.py $SASS_ARGS: the SASS XLA compiles the fused apply into),
 # tests (the whole suite with the GPU visible, WORKERS pytest-xdist workers), bench (python
-# -m optirs_jax.bench $BENCH_ARGS).
+# -m optirs_jax.bench $BENCH_ARGS), sparse (benchmarks/sparse_rows.py $SPARSE_ARGS), flax
+# (benchmarks/flax_steps.py).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/optirs_out}
@@ -43,16 +41,6 @@ if has occupancy; then
   timeout 120 python3 benchmarks/occupancy_vs_driver.py "$OUT/occupancy.json" > "$OUT/occupancy.txt" 2>&1
   head -30 "$OUT/occupancy.txt"
 fi
-if has tiling; then
-  timeout ${TILING_TIMEOUT:-200} python3 benchmarks/tiling_variants.py 2>&1 | tee -a "$OUT/extras.txt"
-fi
-if has census; then
-  timeout 150 python3 benchmarks/hlo_census.py ${CENSUS_ARGS:-leaves optirs-apply,optax-flatten} 2>&1 \
-    | tee -a "$OUT/extras.txt"
-fi
-if has unpack; then
-  timeout 100 python3 benchmarks/unpack_variants.py 2>&1 | tee -a "$OUT/extras.txt"
-fi
 if has policy; then
   bash benchmarks/policy_variants.sh 2>&1 | tee -a "$OUT/extras.txt"
 fi
@@ -68,16 +56,10 @@ if has finite; then
   timeout ${FINITE_TIMEOUT:-150} python3 benchmarks/finite_tiling.py ${FINITE_ARGS:-} 2>&1 \
     | grep -v "^WARNING\|^I0000\|^E0000" | tee -a "$OUT/finite.txt"
 fi
-if has mosaic; then
-  IFS='|' read -ra mosaic_runs <<< "${MOSAIC_RUNS:-}"
-  for args in "${mosaic_runs[@]:-}"; do
-    timeout ${MOSAIC_TIMEOUT:-200} python3 benchmarks/mosaic_tiling.py $args 2>&1 \
-      | grep -v "^WARNING\|^I0000\|^E0000" | tee -a "$OUT/mosaic.txt"
-  done
-fi
 if has breakdown; then
-  for case in ${BREAKDOWN:-gpt2:lamb gpt2:adamw_bf16_master}; do
-    timeout 120 python3 benchmarks/kernel_breakdown.py "${case%%:*}" "${case##*:}" optirs-apply \
+  for case in ${BREAKDOWN:-gpt2:lamb:optirs-apply gpt2:adamw_bf16_master:optirs-apply}; do
+    IFS=: read -r tree opt impl <<< "$case"
+    timeout 120 python3 benchmarks/kernel_breakdown.py "$tree" "$opt" "${impl:-optirs-apply}" \
       2>&1 | grep -v "^WARNING\|^I0000\|^E0000" | tee -a "$OUT/breakdown.txt"
   done
 fi
@@ -111,6 +93,14 @@ if has tests; then
 fi
 if has sharded; then
   timeout ${SHARDED_TIMEOUT:-120} python3 benchmarks/sharded_overhead.py 2>&1 | tee "$OUT/sharded.txt"
+fi
+if has sparse; then
+  timeout ${SPARSE_TIMEOUT:-200} python3 benchmarks/sparse_rows.py ${SPARSE_ARGS:-} 2>&1 \
+    | grep -v "^WARNING\|^I0000\|^E0000" | tee -a "$OUT/sparse.txt"
+fi
+if has flax; then
+  timeout ${FLAX_TIMEOUT:-300} python3 benchmarks/flax_steps.py 2>&1 \
+    | grep -v "^WARNING\|^I0000\|^E0000" | tee -a "$OUT/flax.txt"
 fi
 if has bench; then
   timeout ${BENCH_TIMEOUT:-400} python3 -m optirs_jax.bench ${BENCH_ARGS:-} --json "$OUT/bench.json" \

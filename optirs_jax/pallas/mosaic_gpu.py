@@ -31,8 +31,9 @@ SMEM_BYTES = 232448
 # Whether Pallas puts a warpgroup barrier around every shared-memory store (its safe
 # default). The kernel reads only input blocks and writes only output blocks, and the
 # pipeline's commit_smem orders the writes before the copies out, so the barriers are not
-# needed for correctness; benchmarks/mosaic_tiling.py measures both (variants ``:nb``).
-AUTO_BARRIERS = True
+# needed for correctness; run 17 measured both (benchmarks/NOTES.md; the script,
+# benchmarks/mosaic_tiling.py, is in git history).
+_AUTO_BARRIERS = True
 
 
 def supports(op: ElementwiseOp) -> bool:
@@ -109,7 +110,7 @@ def elementwise_call(op: ElementwiseOp, hvec: jax.Array, inputs: Sequence[jax.Ar
                         out_specs=[spec] * len(out_dtypes),
                         max_concurrent_steps=geo.stages)(*in_refs, *out_refs)
 
-  params = plgpu.CompilerParams(unsafe_no_auto_barriers=not AUTO_BARRIERS)
+  params = plgpu.CompilerParams(unsafe_no_auto_barriers=not _AUTO_BARRIERS)
   kernel = plgpu.kernel(body, out_type=out_type, grid=(geo.programs,),
                         grid_names=("programs",), compiler_params=params)
   return tuple(kernel(hvec, *inputs))
