@@ -165,3 +165,18 @@ def test_a_missing_leaf_is_named_by_its_key_path(make, fused):
       optirs_jax.apply(tx, fewer, state, fewer)
     else:
       tx.update(fewer, state, fewer)
+
+
+@pytest.mark.parametrize("make", [
+    lambda v: optirs_jax.adam(1e-3, b1=v), lambda v: optirs_jax.adamw(1e-3, b2=v),
+    lambda v: optirs_jax.lamb(1e-3, b1=v), lambda v: optirs_jax.lion(1e-3, b2=v),
+    lambda v: optirs_jax.rmsprop(1e-3, decay=v), lambda v: optirs_jax.adam8bit(1e-3, b1=v),
+    lambda v: optirs_jax.sparse.sparse_adam(1e-3, b2=v),
+], ids=["adam", "adamw", "lamb", "lion", "rmsprop", "adam8bit", "sparse_adam"])
+def test_one_rule_for_decay_rates_everywhere(make):
+  """A decay rate of 1 (a zero bias correction: NaNs) or outside [0, 1) is rejected by every
+  optimizer alike, concrete arrays too; 0 and 0.999 are fine."""
+  for bad in (1.0, -0.1, jnp.float32(1.0)):
+    with pytest.raises(ValueError, match=r"must be in \[0, 1\)"):
+      make(bad)
+  make(0.0), make(0.999)
