@@ -2,7 +2,8 @@
 
 Each optimizer returns an :class:`optax.GradientTransformationExtraArgs` that computes the
 same numbers as its optax namesake; on GPU and TPU the update runs as Pallas kernels over
-many leaves per launch, on CPU a pure-jnp reference computes the same rule.
+many leaves per launch, on CPU a pure-jnp reference computes the same rule. The optimizers
+are those of :data:`optirs_jax.transforms.REGISTRY` (:data:`OPTIMIZERS` names them).
 
 >>> import jax.numpy as jnp, optax, optirs_jax
 >>> opt = optax.chain(optax.clip_by_global_norm(1.0), optirs_jax.lamb(1e-3))
@@ -14,25 +15,20 @@ dtype('float32')
 
 from importlib import metadata as _metadata
 
-from optirs_jax import flat, mixed_precision, multi_device, quantization, sparse
+from optirs_jax import flat, fusion, mixed_precision, multi_device, quantization, sparse
 from optirs_jax.apply import apply
 from optirs_jax.backends import SUPPORTED_BACKENDS, available_backends
 from optirs_jax.pallas.options import ExecutorOptions, Tiling
 from optirs_jax.quantization import adam8bit, adamw8bit
-from optirs_jax.transforms import (
-  AdagradState,
-  AdamState,
-  LionState,
-  RmspropState,
-  SgdState,
-  adagrad,
-  adam,
-  adamw,
-  lamb,
-  lion,
-  rmsprop,
-  sgd,
-)
+from optirs_jax.transforms import REGISTRY
+
+# Every optimizer of the registry, and its state NamedTuple, under its own name: an
+# optimizer's module in optirs_jax/transforms/ is all it takes to add one.
+OPTIMIZERS: tuple[str, ...] = tuple(REGISTRY)
+for _entry in REGISTRY.values():
+  globals()[_entry.name] = _entry.make
+  globals()[_entry.spec.state.__name__] = _entry.spec.state
+_STATES = sorted({e.spec.state.__name__ for e in REGISTRY.values()})
 
 try:
   __version__ = _metadata.version("optirs_jax")
@@ -40,8 +36,8 @@ except _metadata.PackageNotFoundError:  # running from a source tree
   __version__ = "0.0.0+local"
 
 __all__ = [
-    "SUPPORTED_BACKENDS", "AdagradState", "AdamState", "ExecutorOptions", "LionState",
-    "RmspropState", "SgdState", "Tiling", "adagrad", "adam", "adam8bit", "adamw", "adamw8bit",
-    "apply", "available_backends", "flat", "lamb", "lion", "mixed_precision", "multi_device",
-    "quantization", "rmsprop", "sgd", "sparse",
+    "OPTIMIZERS", "SUPPORTED_BACKENDS", "ExecutorOptions", "Tiling", "adam8bit", "adamw8bit",
+    "apply", "available_backends", "flat", "fusion", "mixed_precision", "multi_device",
+    "quantization", "sparse",
 ]
+__all__ += [*OPTIMIZERS, *_STATES]  # the registry's

@@ -12,45 +12,18 @@ import optax
 from jax._src.state.types import AccumEffect, ReadEffect, WriteEffect
 
 import optirs_jax
+from optirs_jax.transforms import REGISTRY
 
 RAGGED_SHAPES = {"one": (1,), "seven": (7,), "forty_two": (42,), "thousand": (1000,),
                  "cube": (3, 5, 7), "scalar": (), "block": (4096,), "rows": (33, 128)}
 
-# (optimizer name, keyword arguments) covering every option of every optimizer.
-CASES = [
-    ("adam", {}),
-    ("adam", {"b1": 0.8, "b2": 0.99, "eps": 1e-6, "eps_root": 1e-8}),
-    ("adam", {"nesterov": True}),
-    ("adam", {"mu_dtype": jnp.float32}),
-    ("adamw", {}),
-    ("adamw", {"weight_decay": 0.05, "nesterov": True}),
-    ("adamw", {"weight_decay": 0.1, "mask": lambda p: jax.tree.map(lambda x: x.ndim > 1, p)}),
-    ("adamw", {"weight_decay": optax.linear_schedule(0.1, 0.0, 50)}),
-    ("sgd", {}),
-    ("sgd", {"momentum": 0.9}),
-    ("sgd", {"momentum": 0.9, "nesterov": True}),
-    ("sgd", {"momentum": 0.5, "accumulator_dtype": jnp.float32}),
-    ("rmsprop", {}),
-    ("rmsprop", {"centered": True}),
-    ("rmsprop", {"momentum": 0.9}),
-    ("rmsprop", {"momentum": 0.9, "nesterov": True, "centered": True}),
-    ("rmsprop", {"eps_in_sqrt": False, "initial_scale": 0.1}),
-    ("rmsprop", {"bias_correction": True, "decay": 0.95}),
-    # initial_scale > 0: at step 1 a bias-corrected centered variance is exactly 0 (NaN in optax).
-    ("rmsprop", {"bias_correction": True, "centered": True, "eps_in_sqrt": False,
-                 "initial_scale": 1.0}),
-    ("adagrad", {}),
-    ("adagrad", {"initial_accumulator_value": 0.0, "eps": 1e-5}),
-    ("lamb", {}),
-    ("lamb", {"weight_decay": 0.01}),
-    ("lamb", {"weight_decay": 0.01, "mask": {"one": False, "seven": True, "forty_two": True,
-                                             "thousand": False, "cube": True, "scalar": False,
-                                             "block": True, "rows": True}}),
-    ("lion", {}),
-    ("lion", {"b1": 0.8, "b2": 0.95, "weight_decay": 0.0}),
-    ("lion", {"mu_dtype": jnp.float32, "weight_decay": optax.linear_schedule(0.1, 0.0, 50)}),
-    ("lion", {"weight_decay": 0.1, "mask": lambda p: jax.tree.map(lambda x: x.ndim > 1, p)}),
-]
+# (optimizer name, keyword arguments) covering every option of every optimizer: the
+# registry's cases (optirs_jax/transforms/<name>.py declares them beside the optimizer).
+CASES = [(name, dict(kw)) for name, entry in REGISTRY.items() for kw in entry.cases]
+# One case per optimizer that exercises every state field.
+TYPICAL = [(name, dict(entry.typical)) for name, entry in REGISTRY.items()]
+NAMES = list(REGISTRY)
+ELEMENTWISE = [name for name, entry in REGISTRY.items() if not entry.norms]
 
 
 def case_id(case) -> str:
@@ -72,8 +45,9 @@ def ragged_tree(seed: int, dtype=jnp.float32, shapes=RAGGED_SHAPES):
 
 def pair(name: str, kw: dict, backend: str, lr=1e-2, options=None):
   """(optirs_jax transformation, optax transformation) for one case."""
-  return (getattr(optirs_jax, name)(lr, **kw, backend=backend, executor_options=options),
-          getattr(optax, name)(lr, **kw))
+  entry = REGISTRY[name]
+  return (entry.make(lr, **kw, backend=backend, executor_options=options),
+          entry.optax(lr, **kw))
 
 
 def pallas_matches_jnp(name: str, params, options=None) -> tuple:

@@ -14,14 +14,14 @@ from jax.sharding import PartitionSpec as P
 
 import optirs_jax
 from optirs_jax import multi_device as md
+from optirs_jax.transforms import REGISTRY
 
 pytestmark = pytest.mark.skipif(jax.device_count() != 8,
                                 reason="needs 8 devices (tests/test_multi_device.py starts "
                                        "this module with 8 CPU devices)")
 
-NAMES = ["adam", "adamw", "lamb", "lion", "sgd", "rmsprop", "adagrad"]
-KW = {"sgd": {"momentum": 0.9}, "rmsprop": {"centered": True, "momentum": 0.9},
-      "adamw": {"weight_decay": 0.1}, "lamb": {"weight_decay": 0.01}}
+NAMES = list(REGISTRY)
+KW = {name: dict(entry.typical) for name, entry in REGISTRY.items()}
 SHAPES = {"w": (16, 24), "m": (8, 8, 5), "v": (40,), "s": ()}
 MESHES = [(1, 8), (2, 4), (8, 1)]
 

@@ -76,7 +76,7 @@ def test_apply_if_finite_skips_nan_steps_and_keeps_state(backend):
 def test_nan_gradients_propagate_like_optax(backend):
   params = {"a": jnp.ones(10), "b": jnp.ones(3)}
   grads = {"a": jnp.ones(10).at[3].set(jnp.nan), "b": jnp.full(3, jnp.inf)}
-  for name in ["adam", "sgd", "rmsprop", "adagrad", "lamb"]:
+  for name in cases.NAMES:
     ours, ref = cases.pair(name, {}, backend)
     u, _ = jax.jit(ours.update)(grads, ours.init(params), params)
     with jax.numpy_dtype_promotion("standard"):
@@ -87,7 +87,7 @@ def test_nan_gradients_propagate_like_optax(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("name", ["adam", "adamw", "lamb", "sgd", "rmsprop", "adagrad"])
+@pytest.mark.parametrize("name", cases.NAMES)
 def test_schedule_does_not_recompile(name, backend, standard_promotion):
   chex.clear_trace_counter()
   opt = getattr(optirs_jax, name)(optax.linear_schedule(1e-2, 1e-4, 10), backend=backend)

@@ -56,3 +56,12 @@ def test_every_notebook_is_committed_with_its_outputs():
                      if o.get("name") == "stderr")
     for noise in ("libtpu", "E0000", "Traceback"):
       assert noise not in stderr, f"{path.name}'s committed output holds {noise!r}"
+
+
+def test_the_readme_lists_every_optimizer_of_the_registry():
+  from optirs_jax.transforms import REGISTRY
+  text = (ROOT / "README.md").read_text()
+  intro = text[:text.index("## Setup")]
+  listed = set(re.findall(r"`([a-z0-9_]+)`", intro[intro.index("optimizers, with optax"):]))
+  missing = sorted(set(REGISTRY) - listed)
+  assert not missing, f"the README's introduction does not list {missing}"

@@ -11,8 +11,7 @@ from tests import cases
 
 HALF = [jnp.bfloat16, jnp.float16]
 BACKENDS = ["jnp", "pallas"]
-SIMPLE = [("adam", {}), ("adamw", {}), ("sgd", {"momentum": 0.9}), ("rmsprop", {}),
-          ("rmsprop", {"centered": True}), ("adagrad", {}), ("lamb", {"weight_decay": 0.01})]
+SIMPLE = cases.TYPICAL
 
 
 def _run(ours, ref, params, grads, steps=3):

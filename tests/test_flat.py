@@ -51,9 +51,9 @@ def test_the_gradient_of_a_loss_through_unravel_is_the_flat_gradient():
   chex.assert_trees_all_close(grads, layout.ravel(jax.grad(cases.loss)(tree)), rtol=1e-6)
 
 
-@pytest.mark.parametrize("name,kw", [("adam", {}), ("adamw", {"weight_decay": 0.1}),
-                                     ("sgd", {"momentum": 0.9}),
-                                     ("rmsprop", {"centered": True}), ("adagrad", {})])
+@pytest.mark.parametrize("name,kw", [c for c in cases.TYPICAL if c[0] in cases.ELEMENTWISE],
+                         ids=[cases.case_id(c) for c in cases.TYPICAL
+                              if c[0] in cases.ELEMENTWISE])
 @pytest.mark.parametrize("backend", ["jnp", "pallas"])
 def test_training_on_the_flat_buffers_matches_optax_on_the_tree(name, kw, backend):
   tree = cases.ragged_tree(0)

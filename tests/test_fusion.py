@@ -53,9 +53,7 @@ LINKS = {
 
 
 @pytest.mark.parametrize("link", list(LINKS))
-@pytest.mark.parametrize("case", [("adamw", {"weight_decay": 0.1}), ("sgd", {"momentum": 0.9}),
-                                  ("lamb", {}), ("lion", {}), ("rmsprop", {"centered": True}),
-                                  ("adagrad", {})], ids=cases.case_id)
+@pytest.mark.parametrize("case", cases.TYPICAL, ids=cases.case_id)
 def test_a_chain_of_known_links_is_fused_and_equals_the_contract_bit_for_bit(link, case):
   name, kw = case
   first = LINKS["clip_by_global_norm"]() if "clip_by" not in link else optax.identity()

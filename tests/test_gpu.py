@@ -21,8 +21,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     jax.default_backend() != "gpu", reason="needs a CUDA GPU; on CPU the kernels are "
     "covered by interpret mode and the cuda export tests")]
 
-NAMES = ["adam", "adamw", "lamb", "sgd", "rmsprop", "adagrad", "lion"]
-KW = {"sgd": {"momentum": 0.9, "nesterov": True}, "rmsprop": {"centered": True, "momentum": 0.9}}
+NAMES = cases.NAMES
+KW = dict(cases.TYPICAL)
 BIG = {"emb": (50257, 64), "aligned": (1024, 1024), "w": (768, 3072), "b": (768,), "s": ()}
 # (small-leaf policy, large-leaf policy): the packed and the grouped executors.
 POLICIES = [("pack", "in-place"), ("group", "in-place"), ("group", "group")]

@@ -18,8 +18,8 @@ import optirs_jax
 from tests import cases
 
 TRITON = "__gpu$xla.gpu.triton"
-OPTIMIZERS = ["adam", "adamw", "lamb", "sgd", "rmsprop", "adagrad", "lion"]
-KWARGS = {"sgd": {"momentum": 0.9}, "rmsprop": {"momentum": 0.9, "centered": True}}
+OPTIMIZERS = cases.NAMES
+KWARGS = dict(cases.TYPICAL)
 
 
 def abstract_target(kind: str, platform: str, cores=None):

@@ -20,8 +20,8 @@ from optirs_jax.pallas.options import MOSAIC_GPU_MIN_JAX
 from tests import cases
 from tests.test_lowering import TRITON, abstract_target
 
-ELEMENTWISE = ["adam", "adamw", "sgd", "rmsprop", "adagrad", "lion"]
-KW = {"sgd": {"momentum": 0.9, "nesterov": True}, "rmsprop": {"centered": True, "momentum": 0.9}}
+ELEMENTWISE = cases.ELEMENTWISE
+KW = dict(cases.TYPICAL)
 NEW_JAX = jax.__version_info__ >= MOSAIC_GPU_MIN_JAX
 needs_new_jax = pytest.mark.skipif(
     not NEW_JAX, reason=f"Mosaic GPU lowers sqrt from jax {MOSAIC_GPU_MIN_JAX} on; this is "

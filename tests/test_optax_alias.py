@@ -17,18 +17,11 @@ import optax
 import pytest
 
 import optirs_jax
+from optirs_jax.transforms import REGISTRY
 
-UNDER_TEST = [
-    ("adagrad", {"learning_rate": 1.0}),
-    ("adam", {"learning_rate": 1e-1}),
-    ("adamw", {"learning_rate": 1e-1}),
-    ("lamb", {"learning_rate": 1e-3}),
-    ("lion", {"learning_rate": 1e-2, "weight_decay": 1e-4}),
-    ("rmsprop", {"learning_rate": 5e-3}),
-    ("rmsprop", {"learning_rate": 5e-3, "momentum": 0.9}),
-    ("sgd", {"learning_rate": 1e-3, "momentum": 0.9}),
-]
-NO_COMPLEX = ("lion",)  # as in optax: sign() has no complex meaning
+# optax's own list (alias_test.py's _OPTIMIZERS_UNDER_TEST), for the registry's optimizers.
+UNDER_TEST = [(name, dict(kw)) for name, entry in REGISTRY.items() for kw in entry.alias]
+NO_COMPLEX = tuple(name for name, entry in REGISTRY.items() if not entry.complex)
 IDS = [f"{n}-{'-'.join(f'{k}={v}' for k, v in kw.items())}" for n, kw in UNDER_TEST]
 
 

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from optirs_jax.transforms import REGISTRY
 from tests import cases
 
 BACKENDS = ["jnp", "pallas"]
@@ -65,22 +66,21 @@ def test_hundred_step_trajectory_matches_optax(case, backend):
   assert int(state.count) == 100
 
 
-@pytest.mark.parametrize("name", ["adam", "sgd", "rmsprop", "adagrad", "lamb", "lion"])
+@pytest.mark.parametrize("name", cases.NAMES)
 def test_state_matches_optax_moments(name):
-  """The moments themselves, not only the updates, equal optax's after several steps."""
-  ours, ref = cases.pair(name, {"momentum": 0.9} if name in ("sgd", "rmsprop") else {}, "pallas")
+  """The moments themselves, not only the updates, equal optax's after several steps (the
+  registry says where optax keeps each: ``Entry.moments``)."""
+  entry = REGISTRY[name]
+  ours, ref = cases.pair(name, dict(entry.typical), "pallas")
   params, grads = cases.ragged_tree(3), cases.ragged_tree(4)
   s, rs = ours.init(params), ref.init(params)
   for _ in range(4):
     _, s = jax.jit(ours.update)(grads, s, params)
     with jax.numpy_dtype_promotion("standard"):
       _, rs = jax.jit(ref.update)(grads, rs, params)
-  pairs = {"adam": lambda: [(s.mu, rs[0].mu), (s.nu, rs[0].nu)],
-           "lamb": lambda: [(s.mu, rs[0].mu), (s.nu, rs[0].nu)],
-           "sgd": lambda: [(s.trace, rs[0].trace)],
-           "rmsprop": lambda: [(s.nu, rs[0].nu), (s.trace, rs[2].trace)],
-           "adagrad": lambda: [(s.sum_of_squares, rs[0].sum_of_squares)],
-           "lion": lambda: [(s.mu, rs[0].mu)]}[name]()
+  assert entry.moments, f"{name}: the registry names no moments"
+  pairs = [(getattr(s, field), getattr(rs[index], theirs))
+           for field, index, theirs in entry.moments]
   # Bit-identical but for the last ulp or two of a multiply-add XLA contracts into an FMA
   # in one program and not in the other (RMSprop's trace in the grouped kernel's interpret
   # mode: up to 2e-7 relative after four steps).

@@ -12,6 +12,7 @@ import optax
 
 import optirs_jax
 from optirs_jax import mixed_precision as mp
+from optirs_jax.transforms import REGISTRY, Entry
 
 
 def gpt2_small_shapes(d: int = 768, vocab: int = 50257, ctx: int = 1024, layers: int = 12):
@@ -125,23 +126,28 @@ def _clipped(inner):
   return optax.chain(optax.clip_by_global_norm(1.0), inner)
 
 
-OPTIMIZERS = {
-    "adam": Opt(28, lambda **o: optirs_jax.adam(1e-3, **o), lambda: optax.adam(1e-3),
-                _torch("Adam", lr=1e-3)),
-    "adamw": Opt(28, lambda **o: optirs_jax.adamw(1e-3, weight_decay=1e-2, **o),
-                 lambda: optax.adamw(1e-3, weight_decay=1e-2),
-                 _torch("AdamW", lr=1e-3, weight_decay=1e-2)),
-    "lamb": Opt(40, lambda **o: optirs_jax.lamb(1e-3, **o), lambda: optax.lamb(1e-3)),
-    "lion": Opt(20, lambda **o: optirs_jax.lion(1e-4, **o), lambda: optax.lion(1e-4)),
-    "sgd": Opt(20, lambda **o: optirs_jax.sgd(1e-3, momentum=0.9, **o),
-               lambda: optax.sgd(1e-3, momentum=0.9), _torch("SGD", lr=1e-3, momentum=0.9)),
-    "rmsprop": Opt(20, lambda **o: optirs_jax.rmsprop(1e-3, **o), lambda: optax.rmsprop(1e-3),
-                   _torch("RMSprop", lr=1e-3, alpha=0.9)),
+# torch's optimizer of the same numbers, where it has one (the registry's default arguments
+# but the learning rate, and what torch names otherwise).
+TORCH = {"adam": _torch("Adam", lr=1e-3), "adamw": _torch("AdamW", lr=1e-3, weight_decay=1e-2),
+         "sgd": _torch("SGD", lr=1e-3, momentum=0.9),
+         "rmsprop": _torch("RMSprop", lr=1e-3, alpha=0.9),
+         "rmsprop_centered": _torch("RMSprop", lr=1e-3, alpha=0.9, centered=True),
+         "adagrad": _torch("Adagrad", lr=1e-3)}
+# The registry's arguments for the benchmark's cases, where they differ from the defaults.
+_BENCH_KW = {"adamw": {"weight_decay": 1e-2}, "sgd": {"momentum": 0.9}}
+
+
+def _entry_case(name: str, entry: Entry) -> Opt:
+  kw = _BENCH_KW.get(name, {})
+  lr = 1e-4 if name == "lion" else 1e-3
+  return Opt(entry.bytes_per_param, lambda **o: entry.make(lr, **kw, **o),
+             (lambda: entry.optax(lr, **kw)) if entry.optax else None, TORCH.get(name))
+
+
+# Every optimizer of the registry, and the benchmark's composite cases.
+OPTIMIZERS = {name: _entry_case(name, entry) for name, entry in REGISTRY.items()} | {
     "rmsprop_centered": Opt(28, lambda **o: optirs_jax.rmsprop(1e-3, centered=True, **o),
-                            lambda: optax.rmsprop(1e-3, centered=True),
-                            _torch("RMSprop", lr=1e-3, alpha=0.9, centered=True)),
-    "adagrad": Opt(20, lambda **o: optirs_jax.adagrad(1e-3, **o), lambda: optax.adagrad(1e-3),
-                   _torch("Adagrad", lr=1e-3)),
+                            lambda: optax.rmsprop(1e-3, centered=True), TORCH["rmsprop_centered"]),
     # Read g (bf16) twice (finiteness, then the step), master, mu, nu (f32); write master,
     # mu, nu (f32) and p (bf16): 2 + 2 + 12 + 12 + 2 = 30 bytes per parameter.
     "adamw_bf16_master": Opt(30, _mixed, _mixed_optax, dtype=jnp.bfloat16, scaled=True),

@@ -9,7 +9,6 @@ import jax.numpy as jnp
 import optax
 from jax.experimental import checkify
 
-from optirs_jax import rules
 from optirs_jax.pallas.op import Hyper
 from optirs_jax.sparse._rowsparse import (
   as_row_sparse,
@@ -25,7 +24,8 @@ from optirs_jax.transforms._checks import (
   structure_mismatch,
 )
 from optirs_jax.transforms._checks import learning_rate as lr_at
-from optirs_jax.transforms.adam import adam_scalars
+from optirs_jax.transforms.adam import adam_rule, adam_scalars
+from optirs_jax.transforms.sgd import sgd_rule
 
 
 class SparseAdamState(NamedTuple):
@@ -198,7 +198,7 @@ def sparse_adam(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: floa
         # max(last_r, t) is t; writing it makes the scatter wait for the gather, so XLA
         # updates the donated buffer in place instead of copying it first.
         new_last.append(last.at[rows].set(jnp.maximum(last_r, count_inc), mode="drop"))
-      u_r, mu_r, nu_r = rules.adam_rule(h, vals, p=None, mu=mu_r, nu=nu_r, nesterov=False,
+      u_r, mu_r, nu_r = adam_rule(h, vals, p=None, mu=mu_r, nu=nu_r, nesterov=False,
                                         decay=False, scale=True, cast_lr=cast_lr)
       new_mu.append(mu.at[rows].set(mu_r.astype(mu.dtype), mode="drop"))
       new_nu.append(nu.at[rows].set(nu_r.astype(nu.dtype), mode="drop"))
@@ -262,9 +262,9 @@ def sparse_sgd(learning_rate: optax.ScalarOrSchedule, momentum: float | None = N
     for (path, _, g, unique), tr in zip(leaves, traces):
       rows, vals = _rows(g, unique, check_indices, path)
       if tr is None:
-        (u_r,) = rules.sgd_rule(h, vals, p=None, trace=None, nesterov=False, cast_lr=cast_lr)
+        (u_r,) = sgd_rule(h, vals, p=None, trace=None, nesterov=False, cast_lr=cast_lr)
       else:
-        u_r, t_r = rules.sgd_rule(h, vals, p=None, trace=_get(tr, rows), nesterov=nesterov,
+        u_r, t_r = sgd_rule(h, vals, p=None, trace=_get(tr, rows), nesterov=nesterov,
                                   cast_lr=cast_lr)
         new_traces.append(tr.at[rows].set(t_r.astype(tr.dtype), mode="drop"))
       results.append((rows, u_r))

@@ -1,12 +1,19 @@
-"""The optimizers: one spec and one public function each, built by one builder."""
+"""The optimizers: one spec, one public function and one registry entry each, built by one
+builder.
+
+:data:`REGISTRY` holds every optimizer of the modules here (each module's ``ENTRIES``,
+found when the package is imported), so adding an optimizer is adding its module:
+``optirs_jax/transforms/<name>.py`` with its state, rule, spec, public function and entry
+(``docs/ARCHITECTURE.md`` shows one).
+
+>>> from optirs_jax.transforms import REGISTRY
+>>> list(REGISTRY)[:3], REGISTRY["adam"].bytes_per_param
+(['adagrad', 'adam', 'adamw'], 28)
+"""
 
 from optirs_jax.transforms._builder import build
-from optirs_jax.transforms.adagrad import AdagradState, adagrad
-from optirs_jax.transforms.adam import AdamState, adam, adamw
-from optirs_jax.transforms.lamb import lamb
-from optirs_jax.transforms.lion import LionState, lion
-from optirs_jax.transforms.rmsprop import RmspropState, rmsprop
-from optirs_jax.transforms.sgd import SgdState, sgd
+from optirs_jax.transforms._registry import Entry, discover
 
-__all__ = ["AdagradState", "AdamState", "LionState", "RmspropState", "SgdState", "adagrad",
-           "adam", "adamw", "build", "lamb", "lion", "rmsprop", "sgd"]
+REGISTRY: dict[str, Entry] = discover(__name__, __path__)
+
+__all__ = ["REGISTRY", "Entry", "build"]

@@ -29,6 +29,7 @@ from optirs_jax.pallas.sharding import varying_axes
 from optirs_jax.rounding import split16
 from optirs_jax.spec import BoundRule, OptimizerSpec, prologue_names
 from optirs_jax.transforms import _checks as c
+from optirs_jax.transforms._wiring import check_wiring
 
 # What each kind of argument a spec declares must be.
 _CHECKS = {
@@ -75,6 +76,7 @@ def build(spec: OptimizerSpec,
   executor_options = c.check_executor_options(fn, arguments["executor_options"])
   fields = tuple(f for f in spec.fields if f.exists(options))
   names = tuple(f.name for f in fields)
+  check_wiring(fn, spec, options, names)
   seed = options["rounding_seed"] if options.get("stochastic_rounding") else None  # traced ok
   axes = options.get("axis_name")
   norm_axes = () if axes is None else ((axes,) if isinstance(axes, str) else tuple(axes))

@@ -6,12 +6,14 @@ import numbers
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from optirs_jax import rules
 from optirs_jax.pallas.options import ExecutorOptions
 from optirs_jax.spec import Field, OptimizerSpec
 from optirs_jax.transforms._builder import ROUNDING, build
+from optirs_jax.transforms._registry import Entry
 
 
 class AdagradState(NamedTuple):
@@ -19,6 +21,15 @@ class AdagradState(NamedTuple):
 
   count: jax.Array  # shape=(), dtype=jnp.int32; the schedule's step, saturating.
   sum_of_squares: optax.Updates  # running sum of |g|^2, in the params' dtype.
+
+
+def adagrad_rule(h, g, *, p, sum_of_squares, cast_lr: bool):
+  r"""Adagrad: :math:`s \leftarrow s + |g|^2`, :math:`u = -\eta\, g / \sqrt{s + \epsilon}`
+  (0 where s = 0)."""
+  del p
+  new_s = rules.abs_sq(g) + sum_of_squares
+  inv = jnp.where(new_s > 0, jax.lax.rsqrt(new_s + h.eps), 0.0)
+  return rules.scale_lr(h, inv * g, cast_lr), new_s
 
 
 def _validate(fn, options):
@@ -33,7 +44,7 @@ ADAGRAD = OptimizerSpec(
                ("eps", "number")) + ROUNDING,
     state=AdagradState,
     fields=(Field("sum_of_squares", init="initial_accumulator_value", pad=1.0),),
-    rule=rules.adagrad_rule,
+    rule=adagrad_rule,
     hyper=("eps", "neg_lr"),
     scalars=lambda o, count: dict(eps=o["eps"]),
     validate=_validate,
@@ -73,3 +84,10 @@ def adagrad(learning_rate: optax.ScalarOrSchedule,
     Optimization <https://jmlr.org/papers/v12/duchi11a.html>`_, 2011.
   """
   return build(ADAGRAD, locals())
+
+
+ENTRIES = (
+    Entry("adagrad", adagrad, ADAGRAD, optax.adagrad,
+          cases=({}, {"initial_accumulator_value": 0.0, "eps": 1e-5}),
+          alias=({"learning_rate": 1.0},), moments=(("sum_of_squares", 0, "sum_of_squares"),)),
+)

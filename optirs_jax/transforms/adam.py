@@ -6,6 +6,7 @@ import dataclasses
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from optirs_jax import rules
@@ -13,6 +14,7 @@ from optirs_jax.pallas.options import ExecutorOptions
 from optirs_jax.spec import Field, OptimizerSpec
 from optirs_jax.transforms._builder import ROUNDING, build
 from optirs_jax.transforms._checks import as_float
+from optirs_jax.transforms._registry import Entry
 
 
 class AdamState(NamedTuple):
@@ -21,6 +23,32 @@ class AdamState(NamedTuple):
   count: jax.Array  # shape=(), dtype=jnp.int32; saturates at the int32 maximum.
   mu: optax.Updates  # first moment, in ``mu_dtype`` (or the updates' dtype).
   nu: optax.Updates  # second moment, in the params' dtype.
+
+
+def adam_rule(h, g, *, p, mu, nu, nesterov: bool, decay: bool, scale: bool, cast_lr: bool,
+              mu_dtype=None):
+  r"""Adam moments and direction, optional decoupled decay, optional learning rate.
+
+  .. math::
+    m \leftarrow (1-\beta_1) g + \beta_1 m,\quad v \leftarrow (1-\beta_2)|g|^2 + \beta_2 v,\quad
+    u = \frac{\hat m}{\sqrt{\hat v + \bar\epsilon} + \epsilon} + \lambda p
+
+  Returns ``(u, mu, nu)``; ``u`` is multiplied by ``-lr`` when ``scale`` (LAMB scales
+  after its trust ratio instead).
+  """
+  new_mu = rules.ema(h.b1, h.c1, g, mu)
+  new_nu = rules.ema(h.b2, h.c2, rules.sq(g), nu)
+  if nesterov:
+    mu_hat = h.b1 * rules.debias(new_mu, h.bc1_next) + h.c1 * rules.debias(g, h.bc1)
+  else:
+    mu_hat = rules.debias(new_mu, h.bc1)
+  nu_hat = rules.debias(new_nu, h.bc2)
+  u = mu_hat / (jnp.sqrt(nu_hat + h.eps_root) + h.eps)
+  if decay:
+    u = u + h.wd * p
+  if scale:
+    u = rules.scale_lr(h, u, cast_lr)
+  return u, rules.cast(new_mu, mu_dtype), new_nu.astype(nu.dtype)
 
 
 def adam_scalars(options, count) -> dict:
@@ -44,7 +72,7 @@ ADAMW = OptimizerSpec(
                ("nesterov", "flag")) + ROUNDING,
     state=AdamState,
     fields=ADAM_FIELDS,
-    rule=rules.adam_rule,
+    rule=adam_rule,
     hyper=ADAM_HYPER,
     scalars=adam_scalars,
     static=lambda o: dict(nesterov=bool(o["nesterov"]), scale=True, mu_dtype=o["mu_dtype"]),
@@ -150,3 +178,18 @@ def adamw(learning_rate: optax.ScalarOrSchedule, b1: jax.typing.ArrayLike = 0.9,
     <https://arxiv.org/abs/1711.05101>`_, 2019.
   """
   return build(ADAMW, locals())
+
+
+_MOMENTS = (("mu", 0, "mu"), ("nu", 0, "nu"))
+ENTRIES = (
+    Entry("adam", adam, ADAM, optax.adam,
+          cases=({}, {"b1": 0.8, "b2": 0.99, "eps": 1e-6, "eps_root": 1e-8}, {"nesterov": True},
+                 {"mu_dtype": jnp.float32}),
+          alias=({"learning_rate": 1e-1},), moments=_MOMENTS, bytes_per_param=28),
+    Entry("adamw", adamw, ADAMW, optax.adamw,
+          cases=({}, {"weight_decay": 0.05, "nesterov": True},
+                 {"weight_decay": 0.1, "mask": lambda p: jax.tree.map(lambda x: x.ndim > 1, p)},
+                 {"weight_decay": optax.linear_schedule(0.1, 0.0, 50)}),
+          typical={"weight_decay": 0.1}, alias=({"learning_rate": 1e-1},), moments=_MOMENTS,
+          bytes_per_param=28),
+)

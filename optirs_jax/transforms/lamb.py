@@ -5,13 +5,40 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from optirs_jax import rules
 from optirs_jax.pallas.options import ExecutorOptions
 from optirs_jax.spec import OptimizerSpec, Reduction
 from optirs_jax.transforms._builder import ROUNDING, build
-from optirs_jax.transforms.adam import ADAM_FIELDS, ADAM_HYPER, AdamState, adam_scalars
+from optirs_jax.transforms._registry import Entry
+from optirs_jax.transforms.adam import (
+  ADAM_FIELDS,
+  ADAM_HYPER,
+  AdamState,
+  adam_rule,
+  adam_scalars,
+)
+
+
+def lamb_trust_ratio(h, u, p, p_norm, u_norm, *, cast_lr: bool):
+  """LAMB's second pass on one leaf: ``-lr * u * ||p|| / ||u||`` (1 where a norm is 0).
+
+  The norms come from the executor (``jnp.linalg.norm`` on the reference, per-block partial
+  sums reduced on the device on Pallas); the arithmetic is optax's
+  ``scale_by_trust_ratio`` followed by ``scale_by_learning_rate``.
+  """
+  # Each norm in its array's dtype, promoted as optax promotes them (params and updates of
+  # different dtypes give an update of the wider one).
+  with jax.numpy_dtype_promotion("standard"):
+    p_norm = p_norm.astype(p.dtype)
+    u_norm = u_norm.astype(u.dtype)
+    trust_ratio = 1.0 * p_norm / (u_norm + 0.0)
+    zero_norm = jnp.logical_or(p_norm == 0.0, u_norm == 0.0)
+    safe_ratio = jnp.where(zero_norm, jnp.array(1.0, dtype=p.dtype), trust_ratio)
+    return rules.scale_lr(h, u * safe_ratio, cast_lr)
+
 
 LAMB = OptimizerSpec(
     name="lamb",
@@ -21,13 +48,13 @@ LAMB = OptimizerSpec(
                ("axis_name", "axes")) + ROUNDING,
     state=AdamState,
     fields=ADAM_FIELDS,
-    rule=rules.adam_rule,
+    rule=adam_rule,
     hyper=ADAM_HYPER,
     scalars=adam_scalars,
     static=lambda o: dict(nesterov=False, scale=False, mu_dtype=o["mu_dtype"]),
     weight_decay=True,
     # ||p|| and ||r|| per leaf, then u = -lr * r * ||p|| / ||r||.
-    reduction=Reduction(inputs=("p",), outputs=("u",), finish=rules.lamb_trust_ratio),
+    reduction=Reduction(inputs=("p",), outputs=("u",), finish=lamb_trust_ratio),
 )
 
 
@@ -82,3 +109,12 @@ def lamb(learning_rate: optax.ScalarOrSchedule, b1: jax.typing.ArrayLike = 0.9,
     <https://arxiv.org/abs/1904.00962>`_, 2020.
   """
   return build(LAMB, locals())
+
+
+ENTRIES = (
+    Entry("lamb", lamb, LAMB, optax.lamb,
+          cases=({}, {"weight_decay": 0.01},
+                 {"weight_decay": 0.01, "mask": lambda p: jax.tree.map(lambda x: x.ndim > 1, p)}),
+          alias=({"learning_rate": 1e-3},), moments=(("mu", 0, "mu"), ("nu", 0, "nu")),
+          bytes_per_param=40),
+)

@@ -5,12 +5,14 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from optirs_jax import rules
 from optirs_jax.pallas.options import ExecutorOptions
 from optirs_jax.spec import Field, OptimizerSpec
 from optirs_jax.transforms._builder import ROUNDING, build
+from optirs_jax.transforms._registry import Entry
 
 
 class LionState(NamedTuple):
@@ -20,13 +22,27 @@ class LionState(NamedTuple):
   mu: optax.Updates  # momentum, in ``mu_dtype`` (or the updates' dtype).
 
 
+def lion_rule(h, g, *, p, mu, decay: bool, cast_lr: bool, mu_dtype=None):
+  r"""Lion: the sign of an interpolation of the gradient and the momentum.
+
+  .. math::
+    u = -\eta\,(\mathrm{sign}((1-\beta_1) g + \beta_1 m) + \lambda p),\qquad
+    m \leftarrow (1-\beta_2) g + \beta_2 m
+  """
+  u = jnp.sign(h.c1 * g + h.b1 * mu)
+  new_mu = rules.cast(rules.ema(h.b2, h.c2, g, mu), mu_dtype)
+  if decay:
+    u = u + h.wd * p
+  return rules.scale_lr(h, u, cast_lr), new_mu
+
+
 LION = OptimizerSpec(
     name="lion",
     arguments=(("learning_rate", "schedule"), ("b1", "decay rate"), ("b2", "decay rate"),
                ("mu_dtype", "dtype"), ("weight_decay", "schedule"), ("mask", "mask")) + ROUNDING,
     state=LionState,
     fields=(Field("mu", dtype="mu_dtype"),),
-    rule=rules.lion_rule,
+    rule=lion_rule,
     hyper=("b1", "c1", "b2", "c2", "wd", "neg_lr"),
     scalars=lambda o, count: dict(b1=o["b1"], c1=1.0 - o["b1"], b2=o["b2"], c2=1 - o["b2"]),
     static=lambda o: dict(mu_dtype=o["mu_dtype"]),
@@ -80,3 +96,13 @@ def lion(learning_rate: optax.ScalarOrSchedule, b1: jax.typing.ArrayLike = 0.9,
     <https://arxiv.org/abs/2302.06675>`_, 2023.
   """
   return build(LION, locals())
+
+
+ENTRIES = (
+    Entry("lion", lion, LION, optax.lion,
+          cases=({}, {"b1": 0.8, "b2": 0.95, "weight_decay": 0.0},
+                 {"mu_dtype": jnp.float32, "weight_decay": optax.linear_schedule(0.1, 0.0, 50)},
+                 {"weight_decay": 0.1, "mask": lambda p: jax.tree.map(lambda x: x.ndim > 1, p)}),
+          alias=({"learning_rate": 1e-2, "weight_decay": 1e-4},), moments=(("mu", 0, "mu"),),
+          complex=False),
+)

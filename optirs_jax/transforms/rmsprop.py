@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from optirs_jax import rules
@@ -12,6 +13,7 @@ from optirs_jax.pallas.options import ExecutorOptions
 from optirs_jax.spec import Field, OptimizerSpec
 from optirs_jax.transforms._builder import ROUNDING, build
 from optirs_jax.transforms._checks import as_float
+from optirs_jax.transforms._registry import Entry
 
 
 class RmspropState(NamedTuple):
@@ -21,6 +23,38 @@ class RmspropState(NamedTuple):
   nu: optax.Updates  # EMA of |g|^2, starting at ``initial_scale``.
   mu: optax.Updates | None  # EMA of g when centered, else None.
   trace: optax.Updates | None  # momentum buffer (after the learning rate), else None.
+
+
+def rmsprop_rule(h, g, *, p, nu, mu=None, trace=None, eps_in_sqrt: bool, bias_correction: bool,
+                 nesterov: bool, cast_lr: bool):
+  r"""RMSprop, plain or centered (with ``mu``), with optional bias correction and momentum
+  (with ``trace``) after the learning rate.
+
+  .. math::
+    v \leftarrow (1-\rho)|g|^2 + \rho v,\quad u = -\eta\, g / \sqrt{\hat v - |\hat m|^2 + \epsilon}
+
+  Returns ``(u, nu[, mu][, trace])``.
+  """
+  del p
+  new_nu = rules.ema(h.decay, h.c_decay, rules.sq(g), nu)
+  nu_hat = rules.debias(new_nu, h.bc) if bias_correction else new_nu
+  out = [new_nu]
+  var = nu_hat
+  if mu is not None:
+    new_mu = rules.ema(h.decay, h.c_decay, g, mu)
+    mu_hat = rules.debias(new_mu, h.bc) if bias_correction else new_mu
+    var = nu_hat - rules.abs_sq(mu_hat)
+    out.append(new_mu)
+  if eps_in_sqrt:
+    scaling = jax.lax.rsqrt(var + h.eps)
+  else:
+    scaling = 1 / (jnp.sqrt(var) + h.eps)
+  u = rules.scale_lr(h, scaling * g, cast_lr)
+  if trace is not None:
+    new_t = u + h.momentum * trace
+    u = u + h.momentum * new_t if nesterov else new_t
+    out.append(new_t)
+  return (u, *out)
 
 
 def _scalars(o, count) -> dict:
@@ -40,7 +74,7 @@ RMSPROP = OptimizerSpec(
     fields=(Field("nu", init="initial_scale", dtype="nu_dtype", pad=1.0),
             Field("mu", when="centered"),
             Field("trace", when="momentum")),
-    rule=rules.rmsprop_rule,
+    rule=rmsprop_rule,
     hyper=("decay", "c_decay", "eps", "bc", "momentum", "neg_lr"),
     scalars=_scalars,
     static=lambda o: dict(eps_in_sqrt=bool(o["eps_in_sqrt"]),
@@ -101,3 +135,20 @@ def rmsprop(learning_rate: optax.ScalarOrSchedule, decay: jax.typing.ArrayLike =
     <https://arxiv.org/abs/1308.0850>`_, 2014.
   """
   return build(RMSPROP, locals())
+
+
+ENTRIES = (
+    Entry("rmsprop", rmsprop, RMSPROP, optax.rmsprop,
+          cases=({}, {"centered": True}, {"momentum": 0.9},
+                 {"momentum": 0.9, "nesterov": True, "centered": True},
+                 {"eps_in_sqrt": False, "initial_scale": 0.1},
+                 {"bias_correction": True, "decay": 0.95},
+                 # initial_scale > 0: at step 1 a bias-corrected centered variance is exactly
+                 # 0 (NaN in optax).
+                 {"bias_correction": True, "centered": True, "eps_in_sqrt": False,
+                  "initial_scale": 1.0}),
+          typical={"centered": True, "momentum": 0.9},
+          alias=({"learning_rate": 5e-3}, {"learning_rate": 5e-3, "momentum": 0.9}),
+          moments=(("nu", 0, "nu"), ("mu", 0, "mu"), ("trace", 2, "trace")),
+          bytes_per_param=20),
+)

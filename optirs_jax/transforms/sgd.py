@@ -5,12 +5,14 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from optirs_jax import rules
 from optirs_jax.pallas.options import ExecutorOptions
 from optirs_jax.spec import Field, OptimizerSpec
 from optirs_jax.transforms._builder import ROUNDING, build
+from optirs_jax.transforms._registry import Entry
 
 
 class SgdState(NamedTuple):
@@ -20,13 +22,26 @@ class SgdState(NamedTuple):
   trace: optax.Params | None  # momentum buffer in ``accumulator_dtype``; None without momentum.
 
 
+def sgd_rule(h, g, *, p, trace=None, nesterov: bool, cast_lr: bool, accumulator_dtype=None):
+  r"""SGD with optional (Nesterov) momentum: :math:`t \leftarrow g + \mu t`, :math:`u = -\eta t`.
+
+  Without a momentum buffer (``trace is None``) the rule is plain ``-lr * g``.
+  """
+  del p
+  if trace is None:
+    return (rules.scale_lr(h, g, cast_lr),)
+  new_t = g + h.momentum * trace
+  u = g + h.momentum * new_t if nesterov else new_t
+  return rules.scale_lr(h, u, cast_lr), rules.cast(new_t, accumulator_dtype)
+
+
 SGD = OptimizerSpec(
     name="sgd",
     arguments=(("learning_rate", "schedule"), ("momentum", "optional number"),
                ("nesterov", "flag"), ("accumulator_dtype", "dtype")) + ROUNDING,
     state=SgdState,
     fields=(Field("trace", dtype="accumulator_dtype", when="momentum"),),
-    rule=rules.sgd_rule,
+    rule=sgd_rule,
     hyper=("momentum", "neg_lr"),
     scalars=lambda o, count: dict(momentum=0.0 if o["momentum"] is None else o["momentum"]),
     static=lambda o: dict(nesterov=bool(o["nesterov"]), accumulator_dtype=o["accumulator_dtype"]),
@@ -68,3 +83,13 @@ def sgd(learning_rate: optax.ScalarOrSchedule, momentum: jax.typing.ArrayLike | 
     <http://proceedings.mlr.press/v28/sutskever13.pdf>`_, 2013.
   """
   return build(SGD, locals())
+
+
+ENTRIES = (
+    Entry("sgd", sgd, SGD, optax.sgd,
+          cases=({}, {"momentum": 0.9}, {"momentum": 0.9, "nesterov": True},
+                 {"momentum": 0.5, "accumulator_dtype": jnp.float32}),
+          typical={"momentum": 0.9, "nesterov": True},
+          alias=({"learning_rate": 1e-3, "momentum": 0.9},),
+          moments=(("trace", 0, "trace"),)),
+)
