@@ -55,3 +55,10 @@ def scale_lr(h, u: jax.Array, cast_lr: bool) -> jax.Array:
 def cast(x: jax.Array, dtype) -> jax.Array:
   """``x`` in ``dtype`` (``None``: as it is)."""
   return x if dtype is None else x.astype(dtype)
+
+
+def where_scalar(cond, a: jax.Array, b: jax.Array) -> jax.Array:
+  """``where(cond, a, b)`` for a scalar ``cond``, broadcast as ``a`` is: its shape (Mosaic
+  GPU selects only between arrays of one shape) and its sharding (on an Explicit mesh a
+  replicated condition would not match a sharded ``a``)."""
+  return jnp.where(jnp.full_like(a, cond, dtype=bool), a, b)

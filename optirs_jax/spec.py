@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from optirs_jax import rules
 from optirs_jax.dtypes import common, widened
 from optirs_jax.rounding import round_with_key
 
@@ -85,8 +86,9 @@ class OptimizerSpec:
     name: the optimizer's name (its kernels are named after it).
     arguments: ``(name, kind)`` of each argument of the public function besides
       ``backend`` and ``executor_options``, checked by kind: ``"schedule"`` (a number, a
-      scalar array or a callable of the count), ``"number"``, ``"decay rate"`` (a number in
-      [0, 1); a traced one passes), ``"optional number"``,
+      scalar array or a callable of the count), ``"optional schedule"`` (or ``None``),
+      ``"number"``, ``"decay rate"`` (a number in [0, 1); a traced one passes),
+      ``"optional number"``,
       ``"flag"``, ``"dtype"`` (``None`` or a floating dtype), ``"mask"``, ``"seed"`` (a
       non-negative 32-bit int) or ``"axes"`` (``None`` or mesh axis names; an
       ``axis_name`` argument sums a reduction's norms over them inside ``shard_map``).
@@ -146,8 +148,7 @@ def apply_prologue(kinds: tuple[str, ...], h, g, p):
     a = lambda name, k=k: h[f"pro{k}_{name}"]
     if kind == "clip_by_global_norm":
       norm, top = a("norm"), a("max")
-      keep = jnp.broadcast_to(norm < top, g.shape)  # Mosaic GPU selects between equal shapes
-      g = jnp.where(keep, g, (g / jnp.asarray(norm).astype(g.dtype)) * top)
+      g = rules.where_scalar(norm < top, g, (g / jnp.asarray(norm).astype(g.dtype)) * top)
     elif kind == "clip":
       g = jnp.clip(g, -a("max"), a("max"))
     elif kind == "scale":
@@ -271,10 +272,9 @@ class BoundRule:
     elif self.apply:
       u = cast(p + u, extra[0].dtype, 0, param_seed)
     if self.guard:
-      # Broadcast explicitly: Mosaic GPU selects only between arrays of one shape.
-      finite = jnp.broadcast_to(h.finite > 0, u.shape)
+      finite = h.finite > 0
       keep = extra[-1] if (self.apply or self.master) else jnp.zeros_like(u)
-      u = jnp.where(finite, u, keep)
-      new_state = [jnp.where(finite, x, s) for x, s in zip(new_state, state)]
-      tail = [jnp.where(finite, x, extra[0]) for x in tail]
+      u = rules.where_scalar(finite, u, keep)
+      new_state = [rules.where_scalar(finite, x, s) for x, s in zip(new_state, state)]
+      tail = [rules.where_scalar(finite, x, extra[0]) for x in tail]
     return (u, *new_state, *tail)

@@ -23,6 +23,31 @@ CASES = [(name, dict(kw)) for name, entry in REGISTRY.items() for kw in entry.ca
 # One case per optimizer that exercises every state field.
 TYPICAL = [(name, dict(entry.typical)) for name, entry in REGISTRY.items()]
 NAMES = list(REGISTRY)
+# Every case on the jnp reference; on the (slow, interpret-mode) kernels every case of the
+# core optimizers and the typical one of each other.
+
+
+# The slowest suites (8 devices, every mesh and layout) run their whole matrix on these, one
+# of each kind of rule (moments, momentum, per-leaf norms, sign), and one placement of it on
+# every other optimizer of the registry.
+CORE = ("adam", "adamw", "lamb", "lion", "sgd", "rmsprop", "adagrad")
+
+
+def backend_cases(backends=("jnp", "pallas")) -> list:
+  """``(case, backend)`` pairs: every case on ``jnp``; on the kernels every case of the core
+  optimizers and the typical case of each other."""
+  out = [(case, "jnp") for case in CASES] if "jnp" in backends else []
+  for backend in backends:
+    if backend != "jnp":
+      out += [(case, backend) for case in CASES if case[0] in CORE]
+      out += [(case, backend) for case in TYPICAL if case[0] not in CORE]
+  return out
+
+
+def takes_schedule(name: str) -> bool:
+  """Whether the optimizer's learning rate may be a schedule (Rprop's is a number)."""
+  return dict(REGISTRY[name].spec.arguments)["learning_rate"] in ("schedule",
+                                                                  "optional schedule")
 ELEMENTWISE = [name for name, entry in REGISTRY.items() if not entry.norms]
 
 

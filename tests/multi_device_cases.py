@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 import optirs_jax
 from optirs_jax import multi_device as md
 from optirs_jax.transforms import REGISTRY
+from tests import cases
 
 pytestmark = pytest.mark.skipif(jax.device_count() != 8,
                                 reason="needs 8 devices (tests/test_multi_device.py starts "
@@ -59,10 +60,14 @@ PLACEMENTS = [(shape, layout, "Auto") for shape in MESHES for layout in ("fsdp",
 PLACEMENTS += [((2, 4), layout, "Explicit") for layout in ("fsdp", "tp")]
 
 
-@pytest.mark.parametrize("shape, layout, axis_type", PLACEMENTS,
-                         ids=lambda v: f"{v[0]}x{v[1]}" if isinstance(v, tuple) else v)
-@pytest.mark.parametrize("backend", ["jnp", "pallas"])
-@pytest.mark.parametrize("name", NAMES)
+# Every placement for the core optimizers; one (FSDP on a 2x4 Explicit mesh) for the rest.
+SHARDED = [(name, backend, *placement) for name in NAMES for backend in ("jnp", "pallas")
+           for placement in (PLACEMENTS if name in cases.CORE else
+                             [((2, 4), "fsdp", "Explicit")])]
+
+
+@pytest.mark.parametrize("name, backend, shape, layout, axis_type", SHARDED,
+                         ids=[f"{n}-{b}-{s[0]}x{s[1]}-{lay}-{t}" for n, b, s, lay, t in SHARDED])
 def test_sharded_step_equals_unsharded_and_keeps_shardings(name, backend, shape, layout,
                                                            axis_type):
   mesh = jax.make_mesh(shape, ("a", "b"), axis_types=(getattr(AxisType, axis_type),) * 2)
@@ -92,7 +97,7 @@ def test_sharded_step_equals_unsharded_and_keeps_shardings(name, backend, shape,
       # Nothing is gathered; only LAMB's per-leaf norms cross devices (scalars).
       assert "all-gather" not in hlo
       reduced = re.findall(r"= (\([^)]*\)|\S+) all-reduce\(", hlo)
-      if name == "lamb" and layout != "dp":  # scalars: per leaf, the sums of squares
+      if REGISTRY[name].norms and layout != "dp":  # scalars: per leaf, the sums of squares
         types = [x.strip() for t in reduced
                  for x in re.sub(r"/\*.*?\*/", "", t).strip("()").split(",")]
         assert types and set(types) == {"f32[]"}, reduced
@@ -108,7 +113,7 @@ def test_inside_shard_map_every_backend_runs_on_the_local_shards(name, backend):
   mesh = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Explicit,))
   specs = {"w": P("d"), "m": P("d"), "v": P("d"), "s": P()}
   params, grads = tree(0), jax.tree.map(lambda x: 0.5 * x + 0.1, tree(1))
-  kw = {"axis_name": "d"} if name == "lamb" else {}
+  kw = {"axis_name": "d"} if REGISTRY[name].norms else {}
   tx = opt(name, backend, **kw)
   want = jax.jit(lambda p, s, g: optirs_jax.apply(tx, g, s, p))(params, tx.init(params), grads)
   sspec = state_specs(tx.init(params), specs)
@@ -118,7 +123,7 @@ def test_inside_shard_map_every_backend_runs_on_the_local_shards(name, backend):
     got = step(place(params, mesh, specs), place(tx.init(params), mesh, sspec),
                place(grads, mesh, specs))
   chex.assert_trees_all_close(got, want, rtol=1e-6, atol=1e-7)
-  if name == "lamb":  # without the axis, the trust ratio is per local shard: different
+  if REGISTRY[name].norms:  # without the axis, the trust ratio is per local shard: different
     local = opt(name, backend)
     step = jax.jit(jax.shard_map(lambda p, s, g: optirs_jax.apply(local, g, s, p), mesh=mesh,
                                  in_specs=(specs, sspec, specs), out_specs=(specs, sspec)))

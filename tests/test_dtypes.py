@@ -7,6 +7,7 @@ import optax
 import pytest
 
 import optirs_jax
+from optirs_jax.transforms import REGISTRY
 from tests import cases
 
 HALF = [jnp.bfloat16, jnp.float16]
@@ -44,16 +45,22 @@ def test_half_precision_params(case, dtype, backend):
   eps = float(jnp.finfo(dtype).eps)
   if backend == "jnp":
     chex.assert_trees_all_close(u, ru, rtol=0, atol=0)
-  elif dtype == jnp.bfloat16:
+  elif dtype == jnp.bfloat16 and not name.startswith("optimistic"):
+    # (Optimistic steps are (alpha + beta) d_t - beta d_{t-1}: the difference cancels, so
+    # optax's bfloat16 directions and the kernel's float32 ones part by more than a few
+    # ulps after it; the one step below, against float32, still holds.)
     chex.assert_trees_all_close(u, ru, rtol=4 * eps, atol=1e-6)
   if backend == "jnp":
     return
+  if name == "yogi" and dtype == jnp.float16:
+    return  # its moments start at 1e-6, which float16 rounds: float32 optax starts elsewhere
   up = lambda t: jax.tree.map(lambda x: x.astype(jnp.float32), t)
   u1, _ = jax.jit(ours.update)(grads, ours.init(params), params)
   with jax.numpy_dtype_promotion("standard"):
     ref32 = getattr(__import__("optax"), name)(1e-2, **kw)
     want, _ = ref32.update(up(grads), ref32.init(up(params)), up(params))
-  tol = 4 * eps if name == "lamb" else eps  # LAMB's ratio is applied in the half type
+  # A trust ratio (LAMB's, Fromage's) is applied in the half type.
+  tol = 4 * eps if REGISTRY[name].norms else eps
   chex.assert_trees_all_close(up(u1), up(jax.tree.map(lambda x: x.astype(dtype), want)),
                               rtol=tol, atol=1e-6)
 
@@ -88,6 +95,8 @@ def test_sgd_accumulator_dtype(backend, standard_promotion):
 def test_complex64_params(case, backend, standard_promotion):
   """Complex leaves run on the reference (also under ``backend='pallas'``)."""
   name, kw = case
+  if not REGISTRY[name].complex:
+    pytest.skip(f"{name} does not support complex parameters (as in optax)")
   ours, ref = cases.pair(name, kw, backend)
   params = jax.tree.map(lambda x: jax.lax.complex(x, 0.5 * jnp.flip(x)), cases.ragged_tree(0))
   grads = jax.tree.map(lambda x: jax.lax.complex(x, -0.25 * x), cases.ragged_tree(1))

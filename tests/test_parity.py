@@ -26,8 +26,11 @@ def _tol(backend, name=""):
   return {"rtol": 0.0, "atol": 0.0} if backend == "jnp" else {"rtol": 1e-6, "atol": 1e-9}
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("case", cases.CASES, ids=cases.case_id)
+PARITY = cases.backend_cases(BACKENDS)
+PARITY_IDS = [f"{cases.case_id(c)}-{b}" for c, b in PARITY]
+
+
+@pytest.mark.parametrize("case, backend", PARITY, ids=PARITY_IDS)
 def test_one_step_matches_optax(case, backend):
   name, kw = case
   ours, ref = cases.pair(name, kw, backend)
@@ -43,8 +46,7 @@ def test_one_step_matches_optax(case, backend):
     chex.assert_trees_all_equal_shapes(u, ru)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("case", cases.CASES, ids=cases.case_id)
+@pytest.mark.parametrize("case, backend", PARITY, ids=PARITY_IDS)
 def test_hundred_step_trajectory_matches_optax(case, backend):
   name, kw = case
   # lr 1e-3: 100 steps stay clear of the minimum, where sign-like methods (RMSprop, Adam)
@@ -59,7 +61,9 @@ def test_hundred_step_trajectory_matches_optax(case, backend):
   # Centered RMSprop divides by sqrt(nu - mu^2): when the gradient barely changes that
   # difference cancels to a few ulps of nu and a one-ulp change in an FMA contraction moves
   # single elements by ~1e-5 absolute. The per-leaf relative error below still holds.
-  ill_conditioned = backend != "jnp" and kw.get("centered", False)
+  # Yogi moves nu by the sign of nu - g^2: where the two are within an ulp, a one-ulp
+  # difference flips that sign and single elements part by ~1e-5 over 100 steps.
+  ill_conditioned = backend != "jnp" and (kw.get("centered", False) or name == "yogi")
   chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-4 if ill_conditioned else 1e-6)
   for key in got:
     assert cases.rel_err(got[key], want[key]) <= 1e-5, key
@@ -78,7 +82,8 @@ def test_state_matches_optax_moments(name):
     _, s = jax.jit(ours.update)(grads, s, params)
     with jax.numpy_dtype_promotion("standard"):
       _, rs = jax.jit(ref.update)(grads, rs, params)
-  assert entry.moments, f"{name}: the registry names no moments"
+  fields = {k for k, v in s._asdict().items() if k != "count" and v is not None}
+  assert {m[0] for m in entry.moments} == fields, f"{name}: the registry's moments miss some"
   pairs = [(getattr(s, field), getattr(rs[index], theirs))
            for field, index, theirs in entry.moments]
   # Bit-identical but for the last ulp or two of a multiply-add XLA contracts into an FMA

@@ -34,6 +34,8 @@ from optirs_jax.transforms._wiring import check_wiring
 # What each kind of argument a spec declares must be.
 _CHECKS = {
     "schedule": c.check_number_or_schedule,
+    "optional schedule": lambda fn, name, v: None if v is None else c.check_number_or_schedule(
+        fn, name, v),
     "number": c.check_number,
     "decay rate": c.check_unit_interval,
     "optional number": lambda fn, name, v: c.check_number(fn, name, v, allow_none=True),

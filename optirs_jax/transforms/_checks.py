@@ -190,7 +190,10 @@ def as_float(count: jax.Array) -> jax.Array:
 
 
 def learning_rate(lr, count) -> tuple[Any, bool]:
-  """``(-lr at this count, cast_to_update_dtype)`` as optax's ``scale_by_learning_rate``."""
+  """``(-lr at this count, cast_to_update_dtype)`` as optax's ``scale_by_learning_rate``
+  (``None``: no scaling, as optax's identity; its rule then reads no ``neg_lr``)."""
+  if lr is None:
+    return 0.0, False
   if callable(lr):
     return -1 * lr(count), True
   return -1 * lr, False

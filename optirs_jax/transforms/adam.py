@@ -79,6 +79,8 @@ ADAMW = OptimizerSpec(
     weight_decay=True,
 )
 ADAM = dataclasses.replace(ADAMW, name="adam")
+NADAM = dataclasses.replace(ADAMW, name="nadam")
+NADAMW = dataclasses.replace(ADAMW, name="nadamw")
 
 
 def adam(learning_rate: optax.ScalarOrSchedule, b1: jax.typing.ArrayLike = 0.9,
@@ -180,6 +182,76 @@ def adamw(learning_rate: optax.ScalarOrSchedule, b1: jax.typing.ArrayLike = 0.9,
   return build(ADAMW, locals())
 
 
+def nadam(learning_rate: optax.ScalarOrSchedule, b1: jax.typing.ArrayLike = 0.9,
+          b2: jax.typing.ArrayLike = 0.999, eps: jax.typing.ArrayLike = 1e-8,
+          eps_root: jax.typing.ArrayLike = 0.0, mu_dtype: Any | None = None, *,
+          nesterov: bool = True, nu_dtype: Any | None = None, stochastic_rounding: bool = False,
+          rounding_seed: int = 0, backend: str = "auto",
+          executor_options: ExecutorOptions | None = None
+          ) -> optax.GradientTransformationExtraArgs:
+  r"""NAdam: :func:`adam` with Nesterov momentum; the same numbers as :func:`optax.nadam`.
+
+  .. math::
+    u_t = -\eta_t\, \frac{\beta_1 m_t / (1-\beta_1^{t+1}) + (1-\beta_1) g_t / (1-\beta_1^t)}
+          {\sqrt{\hat v_t + \bar\epsilon} + \epsilon}
+
+  Args:
+    learning_rate, b1, b2, eps, eps_root, mu_dtype, nu_dtype, stochastic_rounding: as in
+      :func:`adam`.
+    nesterov: True (NAdam); False is :func:`adam`.
+    rounding_seed, backend, executor_options: as in :func:`adam`.
+
+  Example:
+    >>> import jax.numpy as jnp, optirs_jax
+    >>> tx = optirs_jax.nadam(1e-1)
+    >>> updates, _ = tx.update({"w": jnp.array([0.5, -1.0])}, tx.init({"w": jnp.zeros(2)}))
+    >>> updates["w"]
+    Array([-0.14736743,  0.14736743], dtype=float32)
+
+  References:
+    Dozat, `Incorporating Nesterov Momentum into Adam
+    <https://openreview.net/pdf?id=OM0jvwB8jIp57ZJjtNEZ>`_, 2016.
+  """
+  return build(NADAM, dict(locals(), weight_decay=0.0, mask=None))
+
+
+def nadamw(learning_rate: optax.ScalarOrSchedule, b1: jax.typing.ArrayLike = 0.9,
+           b2: jax.typing.ArrayLike = 0.999, eps: jax.typing.ArrayLike = 1e-8,
+           eps_root: jax.typing.ArrayLike = 0.0, mu_dtype: Any | None = None,
+           weight_decay: optax.ScalarOrSchedule = 1e-4, mask: Any = None, *,
+           nesterov: bool = True, nu_dtype: Any | None = None,
+           stochastic_rounding: bool = False, rounding_seed: int = 0, backend: str = "auto",
+           executor_options: ExecutorOptions | None = None
+           ) -> optax.GradientTransformationExtraArgs:
+  r"""NAdamW: :func:`nadam` with decoupled weight decay (:func:`adamw`'s); the same numbers
+  as :func:`optax.nadamw`.
+
+  .. math::
+    u_t = -\eta_t \left( \frac{\tilde m_t}{\sqrt{\hat v_t + \bar\epsilon} + \epsilon}
+          + \lambda\, p_{t-1} \right)
+
+  with :math:`\tilde m_t` NAdam's Nesterov estimate (:func:`nadam`).
+
+  Args:
+    learning_rate, b1, b2, eps, eps_root, mu_dtype, weight_decay, mask: as in :func:`adamw`.
+    nesterov, nu_dtype, stochastic_rounding, rounding_seed, backend, executor_options: as in
+      :func:`nadam`.
+
+  Example:
+    >>> import jax.numpy as jnp, optirs_jax
+    >>> tx = optirs_jax.nadamw(1e-1, weight_decay=0.1)
+    >>> p = {"w": jnp.ones(2)}
+    >>> updates, _ = tx.update({"w": jnp.array([0.5, -1.0])}, tx.init(p), p)
+    >>> updates["w"]
+    Array([-0.15736744,  0.13736743], dtype=float32)
+
+  References:
+    Loshchilov and Hutter, `Decoupled Weight Decay Regularization
+    <https://arxiv.org/abs/1711.05101>`_, 2019.
+  """
+  return build(NADAMW, locals())
+
+
 _MOMENTS = (("mu", 0, "mu"), ("nu", 0, "nu"))
 ENTRIES = (
     Entry("adam", adam, ADAM, optax.adam,
@@ -191,5 +263,12 @@ ENTRIES = (
                  {"weight_decay": 0.1, "mask": lambda p: jax.tree.map(lambda x: x.ndim > 1, p)},
                  {"weight_decay": optax.linear_schedule(0.1, 0.0, 50)}),
           typical={"weight_decay": 0.1}, alias=({"learning_rate": 1e-1},), moments=_MOMENTS,
+          bytes_per_param=28),
+    Entry("nadam", nadam, NADAM, optax.nadam, cases=({}, {"b1": 0.8, "eps_root": 1e-8}),
+          alias=({"learning_rate": 1e-2},), moments=_MOMENTS, bytes_per_param=28),
+    Entry("nadamw", nadamw, NADAMW, optax.nadamw,
+          cases=({}, {"weight_decay": 0.05},
+                 {"weight_decay": 0.1, "mask": lambda p: jax.tree.map(lambda x: x.ndim > 1, p)}),
+          typical={"weight_decay": 0.1}, alias=({"learning_rate": 1e-2},), moments=_MOMENTS,
           bytes_per_param=28),
 )
