@@ -70,12 +70,20 @@ class Reduction:
   Attributes:
     inputs: names among the rule's inputs (``"g"``, a field, ``"p"``) to take norms of.
     outputs: names among its outputs (``"u"``, a field) to take norms of.
-    finish: ``finish(h, u, p, *norms, cast_lr=...) -> update``, elementwise on one leaf.
+    finish: ``finish(h, u, p, *norms, cast_lr=..., <fields>, [masked=]) -> update`` (or
+      ``(update, *new fields)`` with ``fields``), elementwise on one leaf.
+    fields: state fields the second pass updates (the first one never sees them: LARS's
+      momentum comes after its trust ratio).
+    mask: the name of an option holding an optax-style mask (a tree of bools, a prefix of
+      one, or a callable): the finish gets a static ``masked=`` per leaf, True where it
+      applies (LARS's ``trust_ratio_mask``).
   """
 
   inputs: tuple[str, ...]
   outputs: tuple[str, ...]
   finish: Callable
+  fields: tuple[str, ...] = ()
+  mask: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,6 +29,8 @@ STATES = [
     ("adagrad", lambda: optirs_jax.adagrad(1e-2), jnp.float32),
     ("lamb", lambda: optirs_jax.lamb(1e-2, weight_decay=0.01), jnp.float32),
     ("lion", lambda: optirs_jax.lion(1e-3), jnp.float32),
+    ("lars_master_weights", lambda: mp.master_weights(optirs_jax.lars(1e-1, weight_decay=1e-2)),
+     jnp.bfloat16),
     ("adam8bit", lambda: optirs_jax.adam8bit(1e-2, min_8bit_size=512), jnp.float32),
     ("adamw8bit", lambda: optirs_jax.adamw8bit(1e-2, min_8bit_size=512), jnp.float32),
     ("master_weights", lambda: mp.master_weights(optirs_jax.adamw(1e-2)), jnp.bfloat16),

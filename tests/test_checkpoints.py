@@ -79,7 +79,8 @@ def test_the_catalogue_covers_every_state_kind():
   assert {"AdamState", "SgdState", "RmspropState", "AdagradState", "LionState",
           "Adam8bitState", "Quantized8bit", "MasterWeightsState", "LossScalingState",
           "DynamicLossScale", "StaticLossScale", "NoOpLossScale", "SparseAdamState",
-          "SparseSgdState", "MaskedNode", "InjectStatefulHyperparamsState"} <= names, names
+          "SparseSgdState", "MaskedNode", "InjectStatefulHyperparamsState",
+          "LarsState"} <= names, names
 
 
 def _walk(tree):

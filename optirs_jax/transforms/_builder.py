@@ -77,6 +77,9 @@ def build(spec: OptimizerSpec,
   backend = c.check_backend(fn, arguments["backend"])
   executor_options = c.check_executor_options(fn, arguments["executor_options"])
   fields = tuple(f for f in spec.fields if f.exists(options))
+  # The fields of the reduction's second pass are not the rule's.
+  late = tuple(f for f in fields if spec.reduction and f.name in spec.reduction.fields)
+  fields = tuple(f for f in fields if f not in late)
   names = tuple(f.name for f in fields)
   check_wiring(fn, spec, options, names)
   seed = options["rounding_seed"] if options.get("stochastic_rounding") else None  # traced ok
@@ -99,6 +102,8 @@ def build(spec: OptimizerSpec,
     g, paths, treedef = c.flatten(fn, "updates", updates)
     columns = [c.match(fn, f"state.{f.name}", getattr(state, f.name), treedef, g, paths)
                for f in fields]
+    late_columns = [c.match(fn, f"state.{f.name}", getattr(state, f.name), treedef, g, paths)
+                    for f in late]
     p = None if params is None else c.match(fn, "params", params, treedef, g, paths)
     m = None
     if master is not None:  # float32 masters of the half-precision leaves; others ignored
@@ -158,13 +163,17 @@ def build(spec: OptimizerSpec,
     new_master = None
     if m is not None:
       new_master = [outs[i][-1] if uses_master[i] else m[i] for i in range(len(g))]
-    if spec.reduction is not None:  # the second pass, with the per-leaf norms
-      first, new_master = _finish(spec, h, first, weights, p, m, norms, uses_master,
-                                  fused=fused, guard=finite is not None,
-                                  param_rounding=param_seed is not None,
-                                  cast_lr=cast_lr, backend=backend, options=executor_options)
     new_fields = {f.name: jax.tree.unflatten(treedef, [o[k + 1] for o in outs])
                   for k, f in enumerate(fields)}
+    if spec.reduction is not None:  # the second pass, with the per-leaf norms
+      masked = ([True] * len(g) if spec.reduction.mask is None else
+                c.mask_flags(fn, options[spec.reduction.mask], updates, treedef))
+      first, new_master, late_out = _finish(
+          spec, h, first, weights, p, m, norms, uses_master, late, late_columns, masked,
+          fused=fused, guard=finite is not None, param_rounding=param_seed is not None,
+          cast_lr=cast_lr, backend=backend, options=executor_options)
+      new_fields |= {f.name: jax.tree.unflatten(treedef, list(col))
+                     for f, col in zip(late, late_out)}
     new_count = optax.safe_increment(count)
     if finite is not None:
       new_count = jnp.where(finite, new_count, count)
@@ -264,54 +273,71 @@ def _op(spec: OptimizerSpec, options, names, mode: _Mode, *, decay: bool):
 
 @dataclasses.dataclass(frozen=True)
 class _WithNorms:
-  """A reduction's ``finish`` as a rule ``(h, r, *, p, cast_lr) -> (update,)``: the leaf's
-  norms are the per-leaf scalars ``h.norm_0``, ``h.norm_1``, ..."""
+  """A reduction's ``finish`` as a rule ``(h, r, *, p, cast_lr, <fields>) -> (update,
+  *fields)``: the leaf's norms are the per-leaf scalars ``h.norm_0``, ``h.norm_1``, ..."""
 
   finish: Any
   n: int
+  has_fields: bool = False
 
-  def __call__(self, h, g, *, p, cast_lr):
-    return (self.finish(h, g, p, *(h[f"norm_{k}"] for k in range(self.n)), cast_lr=cast_lr),)
+  def __call__(self, h, g, *, p, cast_lr, **fields_and_static):
+    out = self.finish(h, g, p, *(h[f"norm_{k}"] for k in range(self.n)), cast_lr=cast_lr,
+                      **fields_and_static)
+    return tuple(out) if self.has_fields else (out,)
 
 
-def _finish_op(spec: OptimizerSpec, n_norms: int, *, fused: bool, master: bool, guard: bool,
-               param_rounding: bool, cast_lr: bool) -> ElementwiseOp:
-  """The reduction's second pass as an elementwise op over ``(r, p[, p_low])``: the update,
-  or on the fused apply the new params in place (and the new master), with the guard and
-  the rounding; the norms are per-leaf scalars."""
-  rule = BoundRule(_WithNorms(spec.reduction.finish, n_norms), (), True,
-                   (("cast_lr", cast_lr),), apply=fused and not master, master=master,
+def _finish_op(spec: OptimizerSpec, n_norms: int, late: tuple, *, fused: bool, master: bool,
+               guard: bool, param_rounding: bool, cast_lr: bool,
+               masked: bool | None = None) -> ElementwiseOp:
+  """The reduction's second pass as an elementwise op over ``(r, *late fields, p[,
+  p_low])``: the update, or on the fused apply the new params in place (and the new master),
+  and the late fields in place, with the guard and the rounding; the norms are per-leaf
+  scalars."""
+  names = tuple(f.name for f in late)
+  static = (("cast_lr", cast_lr),) + ((("masked", masked),) if masked is not None else ())
+  rule = BoundRule(_WithNorms(spec.reduction.finish, n_norms, bool(names)), names, True,
+                   static, apply=fused and not master, master=master,
                    guard=guard, param_rounding=param_rounding)
-  if master:  # (r, master, p_low) -> (p_low, master)
-    aliases = ((2, 0), (1, 1))
-  else:  # (r, p) -> the new params in p's buffer, or the update in r's
-    aliases = ((1, 0),) if fused else ((0, 0),)
+  n = len(names)
+  aliases = tuple((1 + k, 1 + k) for k in range(n))  # the late fields in place
+  if master:  # (r, *fields, master, p_low) -> (p_low, *fields, master)
+    aliases += ((2 + n, 0), (1 + n, 1 + n))
+  else:  # (r, *fields, p) -> the new params in p's buffer, or the update in r's
+    aliases += ((1 + n, 0),) if fused else ((0, 0),)
   hyper = spec.hyper + (("finite",) if guard else ()) + (
       ("count_lo", "count_hi", "pseed_lo", "pseed_hi") if param_rounding else ())
-  return ElementwiseOp(rule, hyper, (0.0,) * (2 + master), aliases, name=f"{spec.name}_finish",
+  pads = (0.0, *(f.pad for f in late)) + (0.0,) * (1 + master)
+  return ElementwiseOp(rule, hyper, pads, aliases, name=f"{spec.name}_finish",
                        indexed=rule.indexed, mixed_on_kernels=rule.widens_mixed,
                        leaf_hyper=tuple(f"norm_{k}" for k in range(n_norms)),
                        unguarded=rule.unguarded())
 
 
-def _finish(spec: OptimizerSpec, h, first, weights, p, m, norms, uses_master, *, fused: bool,
-            guard: bool, param_rounding: bool, cast_lr: bool, backend: str,
-            options: ExecutorOptions):
+def _finish(spec: OptimizerSpec, h, first, weights, p, m, norms, uses_master, late,
+            late_columns, masked, *, fused: bool, guard: bool, param_rounding: bool, cast_lr: bool,
+            backend: str, options: ExecutorOptions):
   """The reduction's second pass, one elementwise op per variant (with or without a master
-  copy) through the executors: on the GPU one grouped launch reads each leaf's norms from
-  its hyper-parameter vector; on the reference XLA fuses it per leaf."""
+  copy; masked or not) through the executors: on the GPU one grouped launch reads each
+  leaf's norms from its hyper-parameter vector; on the reference XLA fuses it per leaf.
+  Returns the updates (or new params), the new masters and the ``late`` fields' columns."""
   outs: list[Any] = [None] * len(first)
   masters = list(m) if m is not None else None
+  late_out = [[None] * len(first) for _ in late_columns]
   n_norms = len(spec.reduction.inputs) + len(spec.reduction.outputs)
   # Inside a shard_map a leaf's norms vary over the axes its shards do (unless summed over
   # them): leaves whose norms vary alike share one array of norms, so a replicated leaf's
   # update stays replicated.
   kinds = [frozenset().union(*(varying_axes(x) for x in norms[i])) for i in range(len(first))]
-  for in_master, kind in sorted(set(zip(uses_master, kinds)), key=lambda v: (v[0], sorted(v[1]))):
-    idx = [i for i in range(len(first)) if (uses_master[i], kinds[i]) == (in_master, kind)]
-    op = _finish_op(spec, n_norms, fused=fused, master=in_master, guard=guard,
-                    param_rounding=fused and param_rounding, cast_lr=cast_lr)
-    leaves = [(first[i], weights[i]) + ((p[i],) if in_master else ()) for i in idx]
+  variants = sorted(set(zip(uses_master, kinds, masked)),
+                    key=lambda v: (v[0], sorted(v[1]), v[2]))
+  for in_master, kind, mask in variants:
+    idx = [i for i in range(len(first))
+           if (uses_master[i], kinds[i], masked[i]) == (in_master, kind, mask)]
+    op = _finish_op(spec, n_norms, late, fused=fused, master=in_master, guard=guard,
+                    param_rounding=fused and param_rounding, cast_lr=cast_lr,
+                    masked=mask if spec.reduction.mask is not None else None)
+    leaves = [(first[i], *(col[i] for col in late_columns), weights[i])
+              + ((p[i],) if in_master else ()) for i in idx]
     # One row of norms per leaf, in the widest of their dtypes (float64 norms of float64
     # leaves stay exact; float32 ones convert back exactly).
     with jax.numpy_dtype_promotion("standard"):
@@ -321,6 +347,8 @@ def _finish(spec: OptimizerSpec, h, first, weights, p, m, norms, uses_master, *,
                    leaf_values=values)
     for j, i in enumerate(idx):
       outs[i] = o[j][0]
+      for k in range(len(late_columns)):
+        late_out[k][i] = o[j][1 + k]
       if in_master:
-        masters[i] = o[j][1]
-  return outs, masters
+        masters[i] = o[j][-1]
+  return outs, masters, late_out

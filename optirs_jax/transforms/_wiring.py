@@ -70,7 +70,8 @@ def _check_keywords(fn: str, spec: OptimizerSpec, static: Mapping[str, Any]) -> 
   params = inspect.signature(spec.rule).parameters
   if any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params.values()):
     return
-  given = {"p", "cast_lr", *static, *(f.name for f in spec.fields)}
+  late = set(spec.reduction.fields) if spec.reduction is not None else set()
+  given = {"p", "cast_lr", *static, *(f.name for f in spec.fields if f.name not in late)}
   for name in sorted(given):
     if name not in params:
       what = ("a state field" if name in {f.name for f in spec.fields} else
@@ -78,7 +79,7 @@ def _check_keywords(fn: str, spec: OptimizerSpec, static: Mapping[str, Any]) -> 
       raise ValueError(f"{fn}: the rule {spec.rule.__name__} has no keyword {name!r} "
                        f"({what} of spec {spec.name!r}); its parameters are {list(params)}")
   for name, p in list(params.items())[2:]:  # after (h, g)
-    if name not in given and p.default is inspect.Parameter.empty:
+    if name not in given and name not in late and p.default is inspect.Parameter.empty:
       raise ValueError(f"{fn}: the rule {spec.rule.__name__} needs {name!r}, which spec "
                        f"{spec.name!r} neither has as a field nor returns from static()")
 
