@@ -48,6 +48,9 @@ class Field:
       finite, zero update.
     when: the name of an option that must be set (not ``None`` or ``False``) for the field
       to exist; ``None``: always. An absent field is ``None`` in the state.
+    per_leaf: one scalar per leaf (shape ``()``, in the leaf's dtype unless ``dtype`` says)
+      instead of a tree shaped like the params: a :class:`Reduction`'s ``between`` updates
+      it from the leaf's norms (NovoGrad's second moment).
   """
 
   name: str
@@ -55,6 +58,7 @@ class Field:
   dtype: str | None = None
   pad: float = 0.0
   when: str | None = None
+  per_leaf: bool = False
 
   def exists(self, options: Mapping[str, Any]) -> bool:
     if self.when is None:
@@ -77,6 +81,11 @@ class Reduction:
     mask: the name of an option holding an optax-style mask (a tree of bools, a prefix of
       one, or a callable): the finish gets a static ``masked=`` per leaf, True where it
       applies (LARS's ``trust_ratio_mask``).
+    between: ``between(h, *norms, <per-leaf fields>) -> (values, new per-leaf fields)``,
+      scalar math on one leaf between the passes: the finish gets ``values`` in place of
+      the norms, and the spec's ``per_leaf`` fields (keywords here) become the new ones
+      (NovoGrad: its second moment is an average of the gradient's squared norm). ``None``:
+      the finish gets the norms.
   """
 
   inputs: tuple[str, ...]
@@ -84,6 +93,7 @@ class Reduction:
   finish: Callable
   fields: tuple[str, ...] = ()
   mask: str | None = None
+  between: Callable | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,6 +31,7 @@ STATES = [
     ("lion", lambda: optirs_jax.lion(1e-3), jnp.float32),
     ("lars_master_weights", lambda: mp.master_weights(optirs_jax.lars(1e-1, weight_decay=1e-2)),
      jnp.bfloat16),
+    ("novograd", lambda: optirs_jax.novograd(1e-2, weight_decay=1e-2), jnp.float32),
     ("adam8bit", lambda: optirs_jax.adam8bit(1e-2, min_8bit_size=512), jnp.float32),
     ("adamw8bit", lambda: optirs_jax.adamw8bit(1e-2, min_8bit_size=512), jnp.float32),
     ("master_weights", lambda: mp.master_weights(optirs_jax.adamw(1e-2)), jnp.bfloat16),

@@ -80,7 +80,7 @@ def test_the_catalogue_covers_every_state_kind():
           "Adam8bitState", "Quantized8bit", "MasterWeightsState", "LossScalingState",
           "DynamicLossScale", "StaticLossScale", "NoOpLossScale", "SparseAdamState",
           "SparseSgdState", "MaskedNode", "InjectStatefulHyperparamsState",
-          "LarsState"} <= names, names
+          "LarsState", "NovogradState"} <= names, names
 
 
 def _walk(tree):

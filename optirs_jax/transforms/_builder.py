@@ -79,7 +79,9 @@ def build(spec: OptimizerSpec,
   fields = tuple(f for f in spec.fields if f.exists(options))
   # The fields of the reduction's second pass are not the rule's.
   late = tuple(f for f in fields if spec.reduction and f.name in spec.reduction.fields)
-  fields = tuple(f for f in fields if f not in late)
+  # Scalars per leaf, which the reduction's between() updates from the norms.
+  leafwise = tuple(f for f in fields if f.per_leaf)
+  fields = tuple(f for f in fields if f not in late and f not in leafwise)
   names = tuple(f.name for f in fields)
   check_wiring(fn, spec, options, names)
   seed = options["rounding_seed"] if options.get("stochastic_rounding") else None  # traced ok
@@ -92,6 +94,8 @@ def build(spec: OptimizerSpec,
     def init(field):
       value = options[field.init] if isinstance(field.init, str) else field.init
       dtype = options.get(field.dtype) if field.dtype else None
+      if field.per_leaf:
+        return jax.tree.map(lambda x: jnp.asarray(value, dtype=dtype or x.dtype), params)
       return optax.tree.full_like(params, value, dtype=dtype)
 
     return spec.state(count=jnp.zeros([], jnp.int32),
@@ -104,6 +108,9 @@ def build(spec: OptimizerSpec,
                for f in fields]
     late_columns = [c.match(fn, f"state.{f.name}", getattr(state, f.name), treedef, g, paths)
                     for f in late]
+    leaf_columns = [c.match(fn, f"state.{f.name}", getattr(state, f.name), treedef, g, paths,
+                            per_leaf=True)
+                    for f in leafwise]
     p = None if params is None else c.match(fn, "params", params, treedef, g, paths)
     m = None
     if master is not None:  # float32 masters of the half-precision leaves; others ignored
@@ -168,10 +175,16 @@ def build(spec: OptimizerSpec,
     if spec.reduction is not None:  # the second pass, with the per-leaf norms
       masked = ([True] * len(g) if spec.reduction.mask is None else
                 c.mask_flags(fn, options[spec.reduction.mask], updates, treedef))
+      if spec.reduction.between is not None:
+        norms, leaf_out = _between(spec.reduction.between, h, norms, leafwise, leaf_columns,
+                                   guard=finite is not None)
+        new_fields |= {f.name: jax.tree.unflatten(treedef, col)
+                       for f, col in zip(leafwise, leaf_out)}
       first, new_master, late_out = _finish(
           spec, h, first, weights, p, m, norms, uses_master, late, late_columns, masked,
-          fused=fused, guard=finite is not None, param_rounding=param_seed is not None,
-          cast_lr=cast_lr, backend=backend, options=executor_options)
+          fused=fused, guard=finite is not None, rounding=seed is not None,
+          param_rounding=param_seed is not None, cast_lr=cast_lr, backend=backend,
+          options=executor_options)
       new_fields |= {f.name: jax.tree.unflatten(treedef, list(col))
                      for f, col in zip(late, late_out)}
     new_count = optax.safe_increment(count)
@@ -287,17 +300,18 @@ class _WithNorms:
 
 
 def _finish_op(spec: OptimizerSpec, n_norms: int, late: tuple, *, fused: bool, master: bool,
-               guard: bool, param_rounding: bool, cast_lr: bool,
+               guard: bool, rounding: bool, param_rounding: bool, cast_lr: bool,
                masked: bool | None = None) -> ElementwiseOp:
   """The reduction's second pass as an elementwise op over ``(r, *late fields, p[,
   p_low])``: the update, or on the fused apply the new params in place (and the new master),
-  and the late fields in place, with the guard and the rounding; the norms are per-leaf
-  scalars."""
+  and the late fields in place, with the guard and the rounding (of the late fields and of
+  the new params); the norms are per-leaf scalars."""
   names = tuple(f.name for f in late)
   static = (("cast_lr", cast_lr),) + ((("masked", masked),) if masked is not None else ())
   rule = BoundRule(_WithNorms(spec.reduction.finish, n_norms, bool(names)), names, True,
                    static, apply=fused and not master, master=master,
-                   guard=guard, param_rounding=param_rounding)
+                   guard=guard, rounding=rounding and bool(names),
+                   param_rounding=param_rounding)
   n = len(names)
   aliases = tuple((1 + k, 1 + k) for k in range(n))  # the late fields in place
   if master:  # (r, *fields, master, p_low) -> (p_low, *fields, master)
@@ -305,7 +319,9 @@ def _finish_op(spec: OptimizerSpec, n_norms: int, late: tuple, *, fused: bool, m
   else:  # (r, *fields, p) -> the new params in p's buffer, or the update in r's
     aliases += ((1 + n, 0),) if fused else ((0, 0),)
   hyper = spec.hyper + (("finite",) if guard else ()) + (
-      ("count_lo", "count_hi", "pseed_lo", "pseed_hi") if param_rounding else ())
+      ("count_lo", "count_hi") if rule.indexed else ()) + (
+      ("seed_lo", "seed_hi") if rule.rounding else ()) + (
+      ("pseed_lo", "pseed_hi") if param_rounding else ())
   pads = (0.0, *(f.pad for f in late)) + (0.0,) * (1 + master)
   return ElementwiseOp(rule, hyper, pads, aliases, name=f"{spec.name}_finish",
                        indexed=rule.indexed, mixed_on_kernels=rule.widens_mixed,
@@ -313,9 +329,26 @@ def _finish_op(spec: OptimizerSpec, n_norms: int, late: tuple, *, fused: bool, m
                        unguarded=rule.unguarded())
 
 
+def _between(between, h, norms, leafwise, leaf_columns, *, guard: bool):
+  """A reduction's scalar step between its passes, per leaf: the values its finish reads in
+  place of the norms, and the new per-leaf fields (in their dtypes; kept on a skipped
+  step)."""
+  values = []
+  new = [[None] * len(norms) for _ in leafwise]
+  for i, leaf_norms in enumerate(norms):
+    with jax.numpy_dtype_promotion("standard"):
+      v, fresh = between(h, *leaf_norms, **{f.name: col[i] for f, col in zip(leafwise,
+                                                                              leaf_columns)})
+    values.append(tuple(v))
+    for k, (x, col) in enumerate(zip(fresh, leaf_columns)):
+      x = jnp.asarray(x).astype(col[i].dtype)
+      new[k][i] = jnp.where(jnp.asarray(h.finite) > 0, x, col[i]) if guard else x
+  return values, new
+
+
 def _finish(spec: OptimizerSpec, h, first, weights, p, m, norms, uses_master, late,
-            late_columns, masked, *, fused: bool, guard: bool, param_rounding: bool, cast_lr: bool,
-            backend: str, options: ExecutorOptions):
+            late_columns, masked, *, fused: bool, guard: bool, rounding: bool,
+            param_rounding: bool, cast_lr: bool, backend: str, options: ExecutorOptions):
   """The reduction's second pass, one elementwise op per variant (with or without a master
   copy; masked or not) through the executors: on the GPU one grouped launch reads each
   leaf's norms from its hyper-parameter vector; on the reference XLA fuses it per leaf.
@@ -323,7 +356,7 @@ def _finish(spec: OptimizerSpec, h, first, weights, p, m, norms, uses_master, la
   outs: list[Any] = [None] * len(first)
   masters = list(m) if m is not None else None
   late_out = [[None] * len(first) for _ in late_columns]
-  n_norms = len(spec.reduction.inputs) + len(spec.reduction.outputs)
+  n_norms = len(norms[0]) if norms else 0  # the norms, or what between() made of them
   # Inside a shard_map a leaf's norms vary over the axes its shards do (unless summed over
   # them): leaves whose norms vary alike share one array of norms, so a replicated leaf's
   # update stays replicated.
@@ -334,7 +367,7 @@ def _finish(spec: OptimizerSpec, h, first, weights, p, m, norms, uses_master, la
     idx = [i for i in range(len(first))
            if (uses_master[i], kinds[i], masked[i]) == (in_master, kind, mask)]
     op = _finish_op(spec, n_norms, late, fused=fused, master=in_master, guard=guard,
-                    param_rounding=fused and param_rounding, cast_lr=cast_lr,
+                    rounding=rounding, param_rounding=fused and param_rounding, cast_lr=cast_lr,
                     masked=mask if spec.reduction.mask is not None else None)
     leaves = [(first[i], *(col[i] for col in late_columns), weights[i])
               + ((p[i],) if in_master else ()) for i in idx]

@@ -154,15 +154,19 @@ def flatten(fn: str, what: str, tree) -> tuple[list, list[str], Any]:
 
 
 def match(fn: str, what: str, tree, treedef, ref_leaves: Sequence, paths: Sequence[str],
-          ref_what: str = "updates") -> list:
-  """Leaves of ``tree``, checked to have ``treedef`` and the shapes of ``ref_leaves``."""
+          ref_what: str = "updates", per_leaf: bool = False) -> list:
+  """Leaves of ``tree``, checked to have ``treedef`` and the shapes of ``ref_leaves`` (or
+  shape ``()``, one scalar per leaf, with ``per_leaf``)."""
   leaves, tdef = jax.tree.flatten(tree)
   if tdef != treedef:
     raise ValueError(structure_mismatch(fn, what, tree, paths, ref_what, treedef))
   for x, r, path in zip(leaves, ref_leaves, paths):
-    if not hasattr(x, "shape") or x.shape != r.shape:
-      raise ValueError(f"{fn}: {what} leaf {path} has shape {getattr(x, 'shape', None)} but the "
-                       f"{ref_what} leaf has shape {r.shape}")
+    want = () if per_leaf else r.shape
+    if not hasattr(x, "shape") or x.shape != want:
+      expected = ("it holds one scalar per leaf: shape ()" if per_leaf else
+                  f"the {ref_what} leaf has shape {r.shape}")
+      raise ValueError(f"{fn}: {what} leaf {path} has shape {getattr(x, 'shape', None)} but "
+                       f"{expected}")
   return leaves
 
 

@@ -71,6 +71,7 @@ def _check_keywords(fn: str, spec: OptimizerSpec, static: Mapping[str, Any]) -> 
   if any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params.values()):
     return
   late = set(spec.reduction.fields) if spec.reduction is not None else set()
+  late |= {f.name for f in spec.fields if f.per_leaf}  # the reduction's between() reads them
   given = {"p", "cast_lr", *static, *(f.name for f in spec.fields if f.name not in late)}
   for name in sorted(given):
     if name not in params:
