@@ -108,8 +108,8 @@ def novograd(learning_rate: optax.ScalarOrSchedule, b1: jax.typing.ArrayLike = 0
     >>> tx = optirs_jax.novograd(0.1)
     >>> p = {"w": jnp.array([1.0, 1.0])}
     >>> updates, state = tx.update({"w": jnp.array([3.0, 4.0])}, tx.init(p), p)
-    >>> updates["w"]  # -0.1 * g / |g|
-    Array([-0.06, -0.08], dtype=float32)
+    >>> updates["w"]  # -0.1 * g / (|g| + eps)
+    Array([-0.05999999, -0.07999998], dtype=float32)
     >>> state.nu["w"]  # |g|^2
     Array(25., dtype=float32)
 
