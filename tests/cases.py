@@ -31,6 +31,9 @@ NAMES = list(REGISTRY)
 # of each kind of rule (moments, momentum, per-leaf norms, sign), and one placement of it on
 # every other optimizer of the registry.
 CORE = ("adam", "adamw", "lamb", "lion", "sgd", "rmsprop", "adagrad")
+# The 8-device placement matrix (every mesh, layout and axis type) runs on one optimizer of
+# each executor path: elementwise with a decay mask, and per-leaf norms with a second pass.
+PLACEMENT_MATRIX = ("adamw", "lamb")
 
 
 def backend_cases(backends=("jnp", "pallas")) -> list:

@@ -10,8 +10,8 @@ import optirs_jax
 from tests import cases
 
 
-@pytest.mark.parametrize("backend", ["jnp", "pallas"])
-@pytest.mark.parametrize("case", cases.CASES, ids=cases.case_id)
+@pytest.mark.parametrize("case, backend", cases.backend_cases(),
+                         ids=[f"{cases.case_id(c)}-{b}" for c, b in cases.backend_cases()])
 def test_fused_apply_matches_update_then_apply_updates(case, backend):
   name, kw = case
   tx = getattr(optirs_jax, name)(1e-2, **kw, backend=backend)
