@@ -87,7 +87,16 @@ def _link(update_fn) -> _Link | None:
 
 
 def _describe(update_fn) -> str:
-  return f"{getattr(update_fn, '__module__', '?')}.{getattr(update_fn, '__qualname__', '?')}"
+  """A short name of an update function: its optirs_jax name, or the optax function that
+  built it (``optax.chain``, ``optax.scale``), or its module and qualified name."""
+  name = getattr(update_fn, "optirs_name", None)
+  if name is not None:
+    return name
+  module = getattr(update_fn, "__module__", "?")
+  qualname = getattr(update_fn, "__qualname__", "?").split(".<locals>.")[0]
+  if module.split(".")[0] in ("optax", "optirs_jax"):
+    module = module.split(".")[0]
+  return f"{module}.{qualname}"
 
 
 def _plan(update_fn) -> tuple[FusedStep | None, str]:
@@ -95,7 +104,11 @@ def _plan(update_fn) -> tuple[FusedStep | None, str]:
   update_fn = _unwrap(update_fn)
   fused = getattr(update_fn, "fused_apply", None)
   if fused is not None:
-    return fused, getattr(update_fn, "optirs_name", "optirs_jax")
+    name = getattr(update_fn, "optirs_name", "optirs_jax")
+    inner = getattr(update_fn, "inner_not_fused", None)  # a wrapper around an unfused one
+    if inner is not None:
+      return None, f"{name}: {inner}"
+    return fused, name
   if _is(update_fn, "optax", "chain.<locals>.update_fn", "update_fns"):
     return _chain_plan(list(_closure(update_fn)["update_fns"]), "chain")
   if _is(update_fn, "optax", "named_chain.<locals>.update_fn", "transforms"):
@@ -229,6 +242,12 @@ def fused_step(tx: optax.GradientTransformation) -> FusedStep | None:
   """The fused step of ``tx``, or None where ``apply`` runs ``update`` and
   ``apply_updates``."""
   return _plan(tx.update)[0]
+
+
+def why_not_fused(tx: optax.GradientTransformation) -> str | None:
+  """Why ``tx`` has no fused step, or None where it has one."""
+  step, what = _plan(tx.update)
+  return None if step is not None else what
 
 
 def explain(tx: optax.GradientTransformation) -> str:

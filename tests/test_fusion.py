@@ -111,6 +111,8 @@ def test_nested_chains_and_inject_inside_a_chain():
     (lambda: optax.inject_hyperparams(optax.adam)(learning_rate=1e-2),
      "not an optirs_jax optimizer"),
     (lambda: optax.MultiSteps(optirs_jax.adam(1e-2), 2), "is not a transformation"),
+    (lambda: mp.with_loss_scaling(mp.master_weights(optax.adamw(1e-2))),
+     "master_weights(optax.chain): chain: its last transformation is not fused (optax.scale"),
 ])
 def test_anything_else_falls_back_with_the_same_numbers_and_says_why(tx, why, standard_promotion):
   tx = tx()
