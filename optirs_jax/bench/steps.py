@@ -1,0 +1,193 @@
+"""The training benchmark's configurations: one GPT step each, as users write it.
+
+Every configuration trains the same model (:mod:`optirs_jax.bench.gpt`, seed 0) on the same
+batches with AdamW inside ``optax.chain(optax.clip_by_global_norm(1.0), ...)``, the same
+hyper-parameters and schedule; they differ in the optimizer and in the path its step takes:
+
+* ``optax``: ``optax.adamw`` through Flax's ``nnx.Optimizer`` (``update`` + ``apply_updates``).
+* ``optirs-nnx``: ``optirs_jax.adamw`` through the stock ``nnx.Optimizer`` (the contract path).
+* ``optirs-fused``: ``optirs_jax.adamw`` through ``optirs_jax.flax.Optimizer`` (the fused
+  apply: the clip folded into the kernel).
+* ``adamw8bit``: ``optirs_jax.adamw8bit`` through ``optirs_jax.flax.Optimizer``.
+* ``optax-bf16-master`` and ``bf16-master``: bfloat16 params, float32 master weights and
+  dynamic loss scaling (:mod:`optirs_jax.mixed_precision`) around ``optax.adamw`` (the
+  contract path) and ``optirs_jax.adamw`` (the fused apply).
+
+A :class:`Run` holds a configuration's state and its jitted steps (state donated).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import optax
+from flax import nnx
+
+import optirs_jax
+import optirs_jax.flax as oflax
+from optirs_jax import fusion
+from optirs_jax import mixed_precision as mp
+from optirs_jax.bench import gpt
+
+
+@dataclasses.dataclass(frozen=True)
+class Hyper:
+  """AdamW's hyper-parameters and the schedule (linear warm-up, cosine decay to 10%)."""
+
+  learning_rate: float = 6e-4
+  warmup: int = 100
+  total: int = 2000
+  b1: float = 0.9
+  b2: float = 0.95
+  weight_decay: float = 0.1
+  clip: float = 1.0
+
+  def schedule(self) -> optax.Schedule:
+    return optax.warmup_cosine_decay_schedule(0.0, self.learning_rate, self.warmup,
+                                              max(self.total, self.warmup + 1),
+                                              end_value=0.1 * self.learning_rate)
+
+
+def _adamw(module, h: Hyper):
+  return optax.chain(optax.clip_by_global_norm(h.clip),
+                     module.adamw(h.schedule(), b1=h.b1, b2=h.b2, weight_decay=h.weight_decay))
+
+
+def _adamw8bit(h: Hyper):
+  return optax.chain(optax.clip_by_global_norm(h.clip),
+                     optirs_jax.adamw8bit(h.schedule(), b1=h.b1, b2=h.b2,
+                                          weight_decay=h.weight_decay))
+
+
+def _mixed(module, h: Hyper):
+  return mp.with_loss_scaling(mp.master_weights(_adamw(module, h)), mp.DynamicLossScale(2.0**15))
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """How one configuration steps: through an ``nnx.Optimizer`` class, or functional with a
+  loss scale (the mixed-precision ones)."""
+
+  describe: str
+  make_tx: Callable[[Hyper], optax.GradientTransformation]
+  optimizer: type | None = None  # an nnx.Optimizer class; None: the functional loop
+  param_dtype: str = "float32"
+
+
+CONFIGS = {
+    "optax": Config("optax.adamw, nnx.Optimizer", lambda h: _adamw(optax, h), nnx.Optimizer),
+    "optirs-nnx": Config("optirs_jax.adamw, nnx.Optimizer (update + apply_updates)",
+                         lambda h: _adamw(optirs_jax, h), nnx.Optimizer),
+    "optirs-fused": Config("optirs_jax.adamw, optirs_jax.flax.Optimizer (fused apply)",
+                           lambda h: _adamw(optirs_jax, h), oflax.Optimizer),
+    "adamw8bit": Config("optirs_jax.adamw8bit, optirs_jax.flax.Optimizer", _adamw8bit,
+                        oflax.Optimizer),
+    "optax-bf16-master": Config("optax.adamw, bf16 params + f32 master + loss scaling",
+                                lambda h: _mixed(optax, h), param_dtype="bfloat16"),
+    "bf16-master": Config("optirs_jax.adamw, bf16 params + f32 master + loss scaling, fused",
+                          lambda h: _mixed(optirs_jax, h), param_dtype="bfloat16"),
+}
+
+
+def check_configs(names) -> list[str]:
+  unknown = [n for n in names if n not in CONFIGS]
+  if unknown:
+    raise ValueError(f"unknown configuration {unknown[0]!r}; valid: {list(CONFIGS)}")
+  return list(names)
+
+
+class Run:
+  """A configuration's model and optimizer state, and its jitted steps.
+
+  ``step(batch) -> loss`` trains one step; ``held_out(batch) -> loss`` evaluates;
+  ``optimizer_only(grads)`` runs the optimizer's update alone (its share of the step);
+  ``path`` says which step the optimizer took (:func:`optirs_jax.fusion.explain`).
+  """
+
+  def __init__(self, name: str, model_config: gpt.GPTConfig, hyper: Hyper, seed: int = 0):
+    self.name, self.config = name, CONFIGS[name]
+    model_config = dataclasses.replace(model_config, param_dtype=self.config.param_dtype)
+    self.parameters = model_config.parameters()
+    model = gpt.GPT(model_config, nnx.Rngs(seed))
+    tx = self.config.make_tx(hyper)
+    self.path = (fusion.explain(tx) if self.config.optimizer is not nnx.Optimizer
+                 else "update + apply_updates (nnx.Optimizer)")
+    if self.config.optimizer is not None:
+      self._init_nnx(model, tx)
+    else:
+      self._init_functional(model, tx)
+
+  # Flax NNX: the model and the optimizer split into one state, merged inside the step.
+  def _init_nnx(self, model, tx):
+    optimizer = self.config.optimizer(model, tx, wrt=nnx.Param)
+    graphdef, self.state = nnx.split((model, optimizer))
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def step(state, batch):
+      model, optimizer = nnx.merge(graphdef, state)
+      value, grads = nnx.value_and_grad(gpt.loss)(model, batch)
+      optimizer.update(model, grads)
+      return nnx.state((model, optimizer)), value
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def opt_step(state, grads):
+      model, optimizer = nnx.merge(graphdef, state)
+      optimizer.update(model, grads)
+      return nnx.state((model, optimizer))
+
+    @jax.jit
+    def grads_of(state, batch):
+      model, _ = nnx.merge(graphdef, state)
+      return nnx.grad(gpt.loss)(model, batch)
+
+    @jax.jit
+    def held_out(state, batch):
+      model, _ = nnx.merge(graphdef, state)
+      return gpt.loss(model, batch)
+
+    self._step, self._opt_step, self._grads, self._held_out = step, opt_step, grads_of, held_out
+
+  # The functional loop of the mixed-precision README example: the loss scale is state.
+  def _init_functional(self, model, tx):
+    graphdef, params = nnx.split(model)
+    loss_of = lambda p, batch: gpt.loss(nnx.merge(graphdef, p), batch)
+    self.state = (params, tx.init(params))
+
+    def update(params, opt_state, grads):
+      return optirs_jax.apply(tx, grads, opt_state, params)
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def step(state, batch):
+      params, opt_state = state
+      scale = mp.loss_scale_of(opt_state)
+      value, grads = jax.value_and_grad(lambda p: scale.scale(loss_of(p, batch)))(params)
+      return update(params, opt_state, grads), scale.unscale(value)
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def opt_step(state, grads):
+      return update(*state, grads)
+
+    @jax.jit
+    def grads_of(state, batch):
+      scale = mp.loss_scale_of(state[1])
+      return jax.grad(lambda p: scale.scale(loss_of(p, batch)))(state[0])
+
+    self._step, self._opt_step, self._grads = step, opt_step, grads_of
+    self._held_out = jax.jit(lambda state, batch: loss_of(state[0], batch))
+
+  def step(self, batch: jax.Array) -> jax.Array:
+    self.state, value = self._step(self.state, batch)
+    return value
+
+  def held_out(self, batch: jax.Array) -> jax.Array:
+    return self._held_out(self.state, batch)
+
+  def grads(self, batch: jax.Array) -> Any:
+    return self._grads(self.state, batch)
+
+  def optimizer_only(self, grads) -> None:
+    self.state = self._opt_step(self.state, grads)

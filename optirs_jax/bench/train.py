@@ -1,0 +1,220 @@
+"""The whole training step, measured: a GPT on the CPython standard library's source.
+
+    python -m optirs_jax.bench.train [--model gpt2] [--configs optax,optirs-fused,...]
+        [--steps 200] [--batch 8] [--eval-every 50] [--json out.json]
+
+Each configuration (:mod:`optirs_jax.bench.steps`) runs in a process of its own (so its peak
+memory is its own), trains ``--steps`` steps from the same initial model on the same
+batches (byte-level tokens, :mod:`optirs_jax.bench.corpus`), evaluates the held-out loss
+every ``--eval-every`` steps, then measures:
+
+* ``first_call_s``: the first step's wall time (trace, compile, run);
+* ``ms``: wall time per step (median of batches of steps on one device batch, as a training
+  loop that prefetches its data sees it), and ``tokens_per_s`` from it;
+* ``kernel_ms``: device time per step from the profiler; ``optimizer_kernel_ms``: that of the
+  optimizer's update alone on the same state (its share of the step); ``None`` on a CPU;
+* ``peak_bytes``: the device's ``peak_bytes_in_use`` (``None`` where it keeps no stats).
+
+A progress bar runs while it trains; a table and a JSON (``meta`` with the date, device,
+versions and command; one result per configuration, keyed by its name) come at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from optirs_jax.bench import corpus, timing
+
+
+def _args(argv=None) -> argparse.Namespace:
+  from optirs_jax.bench.gpt import GPTConfig
+  from optirs_jax.bench.steps import CONFIGS
+  p = argparse.ArgumentParser(prog="python -m optirs_jax.bench.train",
+                              description=__doc__.split("\n\n")[0])
+  p.add_argument("--model", default="gpt2", choices=sorted(GPTConfig.PRESETS),
+                 help="the model's shape (default gpt2: GPT-2 small, 124M parameters)")
+  p.add_argument("--configs", default=",".join(CONFIGS),
+                 help=f"comma list of {list(CONFIGS)} (default: all)")
+  p.add_argument("--steps", type=int, default=200, help="training steps per configuration")
+  p.add_argument("--batch", type=int, default=8, help="sequences per batch")
+  p.add_argument("--context", type=int, default=None,
+                 help="tokens per sequence (default: the model's context)")
+  p.add_argument("--eval-every", type=int, default=50,
+                 help="held-out loss every this many steps (and after the last)")
+  p.add_argument("--eval-batches", type=int, default=4, help="held-out batches per evaluation")
+  p.add_argument("--warmup", type=int, default=None,
+                 help="the schedule's warm-up steps (default: a tenth of --steps)")
+  p.add_argument("--timing-steps", type=int, default=10,
+                 help="steps per timed batch and per profiler trace")
+  p.add_argument("--corpus-bytes", type=int, default=None,
+                 help="read at most about this many bytes of each split (default: all)")
+  p.add_argument("--json", default=None, help="write the results here")
+  p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # a child's configuration
+  args = p.parse_args(argv)
+  from optirs_jax.bench.steps import check_configs
+  try:
+    args.configs = check_configs(args.configs.split(","))
+  except ValueError as e:
+    p.error(str(e))
+  for name in ("steps", "batch", "eval_every", "eval_batches", "timing_steps"):
+    if getattr(args, name) < 1:
+      p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+  return args
+
+
+def measure(args) -> dict:
+  """Trains and measures one configuration (``args.one``) in this process."""
+  import jax
+  import jax.numpy as jnp
+
+  from optirs_jax.bench.gpt import GPTConfig
+  from optirs_jax.bench.steps import Hyper, Run
+  model = GPTConfig.preset(args.model)
+  context = args.context or model.context
+  if context > model.context:
+    raise ValueError(f"--context {context} is longer than the model's {model.context}")
+  hyper = Hyper(total=args.steps, warmup=args.warmup if args.warmup is not None
+                else max(1, args.steps // 10))
+  train, held = corpus.load(args.corpus_bytes)
+  batches = corpus.batches(train, args.batch, context, seed=0)
+  held_batches = [jnp.asarray(b) for b, _ in zip(corpus.batches(held, args.batch, context,
+                                                                 seed=1),
+                                                 range(args.eval_batches))]
+  run = Run(args.one, model, hyper)
+  bar = _bar(args.steps, args.one)
+  losses, evals = [], []
+  t0 = time.perf_counter()
+  first = None
+  for i in range(args.steps):
+    value = run.step(jnp.asarray(next(batches)))
+    if first is None:
+      timing.block(value)
+      first = time.perf_counter() - t0
+    losses.append(value)
+    if (i + 1) % args.eval_every == 0 or i + 1 == args.steps:
+      held_loss = float(np.mean([float(run.held_out(b)) for b in held_batches]))
+      evals.append({"step": i + 1, "seconds": time.perf_counter() - t0, "held_out": held_loss})
+      bar.set_postfix_str(f"held-out {held_loss:.3f}")
+    bar.update()
+  bar.close()
+  losses = [float(x) for x in losses]
+
+  batch = jnp.asarray(next(batches))
+  def step(_):  # the state after the step: waiting on it waits for the update too
+    run.step(batch)
+    return run.state
+
+  ms, _, host = timing.time_steps(step, None, warmup=2, batches=3, per_batch=args.timing_steps)
+  kernel, _ = timing.kernel_seconds_per_step(step, None, args.timing_steps)
+  grads = run.grads(batch)
+
+  def opt(_):
+    run.optimizer_only(grads)
+    return run.state
+
+  timing.block(opt(None))
+  opt_kernel, _ = timing.kernel_seconds_per_step(opt, None, args.timing_steps)
+  stats = jax.devices()[0].memory_stats() or {}
+  tokens = args.batch * context
+  return {"config": args.one, "path": run.path, "parameters": run.parameters,
+          "first_call_s": first, "ms": ms * 1e3, "host_ms": host * 1e3,
+          "tokens_per_s": tokens / ms,
+          "kernel_ms": None if kernel is None else kernel * 1e3,
+          "optimizer_kernel_ms": None if opt_kernel is None else opt_kernel * 1e3,
+          "peak_bytes": stats.get("peak_bytes_in_use"), "losses": losses, "evals": evals}
+
+
+def _bar(total: int, what: str):
+  try:
+    from tqdm import tqdm
+  except ImportError:
+    return _Quiet()
+  return tqdm(total=total, desc=what, file=sys.stderr, unit="step", dynamic_ncols=True,
+              leave=False)
+
+
+class _Quiet:
+  def update(self, n=1):
+    pass
+
+  def set_postfix_str(self, s):
+    pass
+
+  def close(self):
+    pass
+
+
+def _child(args, name: str, argv) -> dict:
+  """One configuration in a fresh process; its result, or the error it ended with."""
+  cmd = [sys.executable, "-m", "optirs_jax.bench.train", *argv, "--one", name]
+  proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=None, text=True)
+  lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+  if proc.returncode or not lines:
+    return {"config": name, "error": f"exit {proc.returncode}: {proc.stdout[-2000:]}"}
+  return json.loads(lines[-1])
+
+
+def _meta(argv) -> dict:
+  import jax
+  import optax
+  train, held = corpus.load(None if "--corpus-bytes" not in argv else
+                            int(argv[argv.index("--corpus-bytes") + 1]))
+  device = jax.devices()[0]
+  return {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+          "device": f"{device.platform}: {device.device_kind}",
+          "command": "python -m optirs_jax.bench.train " + " ".join(argv),
+          "versions": {"jax": jax.__version__, "optax": optax.__version__,
+                       "python": platform.python_version()},
+          "corpus": {"train_bytes": len(train), "held_out_bytes": len(held),
+                     "train_sha256": corpus.fingerprint(train),
+                     "held_out_sha256": corpus.fingerprint(held)}}
+
+
+def table(results: dict) -> str:
+  """The results as a text table, optax's first configuration as the reference."""
+  head = (f"{'config':<18} {'first s':>8} {'ms/step':>9} {'kernel ms':>10} {'opt ms':>8} "
+          f"{'tokens/s':>10} {'peak GiB':>9} {'held-out':>9}  path")
+  rows = [head]
+  fmt = lambda x, f: "-" if x is None else format(x, f)
+  for name, r in results.items():
+    if "error" in r:
+      rows.append(f"{name:<18} failed: {r['error'].splitlines()[-1] if r['error'] else ''}")
+      continue
+    peak = None if r["peak_bytes"] is None else r["peak_bytes"] / 2**30
+    rows.append(f"{name:<18} {r['first_call_s']:>8.1f} {r['ms']:>9.2f} "
+                f"{fmt(r['kernel_ms'], '10.2f')} {fmt(r['optimizer_kernel_ms'], '8.3f')} "
+                f"{r['tokens_per_s']:>10.0f} {fmt(peak, '9.2f')} "
+                f"{r['evals'][-1]['held_out']:>9.4f}  {r['path']}")
+  return "\n".join(rows)
+
+
+def main(argv=None) -> int:
+  argv = list(sys.argv[1:] if argv is None else argv)
+  args = _args(argv)
+  if args.one is not None:
+    print(json.dumps(measure(args)), flush=True)
+    return 0
+  results = {}
+  for k, name in enumerate(args.configs):
+    print(f"[{k + 1}/{len(args.configs)}] {name}", file=sys.stderr, flush=True)
+    results[name] = _child(args, name, argv)
+  report = {"meta": _meta(argv), "model": args.model, "results": results}
+  print(table(results))
+  if args.json:
+    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+    with open(args.json, "w") as f:
+      json.dump(report, f, indent=1)
+  return 1 if any("error" in r for r in results.values()) else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,100 @@
+"""The training benchmark (optirs_jax.bench.train): its corpus, its model, and one tiny run of
+its configurations on the CPU, each in a process of its own."""
+
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from optirs_jax.bench import corpus
+from optirs_jax.bench.gpt import GPT, GPTConfig
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_the_corpus_is_the_standard_library_split_by_file():
+  root = sysconfig.get_paths()["stdlib"]
+  files = corpus.stdlib_files()
+  assert "os.py" in files and "json/__init__.py".replace("/", os.sep) in files
+  assert not any("site-packages" in f or "__pycache__" in f for f in files)
+  held = [f for f in files if corpus.is_held_out(f)]
+  assert 0.02 < len(held) / len(files) < 0.08  # about 5% of the files
+  train, held_out = corpus.load(limit_bytes=100_000)
+  # The held-out bytes are the first held-out files' bytes, in path order: none is trained on.
+  with open(os.path.join(root, held[0]), "rb") as f:
+    first = f.read()
+  assert held_out[:len(first)].tobytes() == first
+  assert first not in train.tobytes()
+
+
+def test_batches_are_windows_of_the_split_and_repeat_with_the_seed():
+  data = np.arange(1000, dtype=np.uint8)
+  a = next(corpus.batches(data, 4, 16, seed=3))
+  b = next(corpus.batches(data, 4, 16, seed=3))
+  assert a.shape == (4, 17) and (a == b).all()
+  assert (np.diff(a.astype(np.int64) % 256, axis=1) % 256 == 1).all()  # contiguous windows
+  with pytest.raises(ValueError, match="too few"):
+    next(corpus.batches(data[:10], 4, 16, seed=0))
+
+
+def test_the_model_has_gpt2_smalls_parameter_count():
+  assert GPTConfig.preset("gpt2").parameters() == 124_439_808  # GPT-2 small, as published
+  config = GPTConfig.preset("tiny")
+  model = GPT(config, nnx.Rngs(0))
+  assert sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param))) == config.parameters()
+  with pytest.raises(ValueError, match="unknown model 'huge'; valid"):
+    GPTConfig.preset("huge")
+  with pytest.raises(ValueError, match="not a multiple of heads"):
+    GPTConfig.preset("tiny", heads=3)
+
+
+def _bench(*args):
+  # Without excess precision XLA rounds every bfloat16 intermediate of the model: otherwise
+  # which ones it keeps in float32 depends on how it fuses the step, which the optimizer's
+  # part changes (the bfloat16 runs then differ in the loss's sixth digit).
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT,
+             XLA_FLAGS="--xla_allow_excess_precision=false")
+  return subprocess.run([sys.executable, "-m", "optirs_jax.bench.train", *args], env=env,
+                        capture_output=True, text=True, timeout=900, cwd=ROOT)
+
+
+def test_a_tiny_run_trains_each_configuration_and_optirs_matches_optax(tmp_path):
+  out = tmp_path / "train.json"
+  proc = _bench("--model", "tiny", "--configs", "optax,optirs-fused,optax-bf16-master,bf16-master",
+                "--steps", "4", "--batch", "2", "--eval-every", "2", "--eval-batches", "1",
+                "--timing-steps", "1", "--corpus-bytes", "200000", "--json", str(out))
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  report = json.loads(out.read_text())
+  assert report["meta"]["device"].startswith("cpu") and report["model"] == "tiny"
+  assert report["meta"]["corpus"]["train_bytes"] > 0
+  results = report["results"]
+  assert list(results) == ["optax", "optirs-fused", "optax-bf16-master", "bf16-master"]
+  for r in results.values():
+    assert len(r["losses"]) == 4 and [e["step"] for e in r["evals"]] == [2, 4]
+    assert r["parameters"] == GPTConfig.preset("tiny").parameters()
+    assert r["ms"] > 0 and r["tokens_per_s"] > 0 and r["first_call_s"] > 0
+    assert r["kernel_ms"] is None  # no device plane in a CPU trace
+  assert results["optirs-fused"]["path"] == "fused: chain(clip_by_global_norm, adamw)"
+  assert results["optax"]["path"].startswith("update + apply_updates")
+  assert results["bf16-master"]["path"].startswith("fused: with_loss_scaling(master_weights(")
+  assert results["optax-bf16-master"]["path"].startswith("update + apply_updates")
+  # optax's numbers bit for bit (the reference executor on a CPU), float32 and bfloat16.
+  for ours, theirs in (("optirs-fused", "optax"), ("bf16-master", "optax-bf16-master")):
+    np.testing.assert_array_equal(results[ours]["losses"], results[theirs]["losses"])
+    np.testing.assert_array_equal([e["held_out"] for e in results[ours]["evals"]],
+                                  [e["held_out"] for e in results[theirs]["evals"]])
+  assert "optirs-fused" in proc.stdout and "held-out" in proc.stdout  # the table
+
+
+def test_bad_arguments_name_the_value_and_the_valid_ones():
+  proc = _bench("--configs", "optax,adamw9bit")
+  assert proc.returncode == 2
+  assert "unknown configuration 'adamw9bit'; valid: ['optax'" in proc.stderr
+  proc = _bench("--steps", "0")
+  assert proc.returncode == 2 and "--steps must be at least 1, got 0" in proc.stderr
