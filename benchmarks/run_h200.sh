@@ -14,7 +14,7 @@
 # sass (benchmarks/xla_sass.py $SASS_ARGS: the SASS XLA compiles the fused apply into),
 # tests (the whole suite with the GPU visible, WORKERS pytest-xdist workers), bench (python
 # -m optirs_jax.bench $BENCH_ARGS), sparse (benchmarks/sparse_rows.py $SPARSE_ARGS), flax
-# (benchmarks/flax_steps.py).
+# (benchmarks/flax_steps.py), train (python -m optirs_jax.bench.train $TRAIN_ARGS).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/optirs_out}
@@ -105,4 +105,8 @@ fi
 if has bench; then
   timeout ${BENCH_TIMEOUT:-400} python3 -m optirs_jax.bench ${BENCH_ARGS:-} --json "$OUT/bench.json" \
     2>"$OUT/bench.err" | tee "$OUT/bench.txt"
+fi
+if has train; then
+  timeout ${TRAIN_TIMEOUT:-400} python3 -m optirs_jax.bench.train ${TRAIN_ARGS:-} \
+    --json "$OUT/train.json" 2>"$OUT/train.err" | tee "$OUT/train.txt"
 fi
