@@ -52,6 +52,8 @@ def test_device_time_sums_the_stream_lines_of_the_device_plane():
   # 2.5 + 0.5 + 1.0 us on the stream lines; the "XLA Ops" line repeats them, not counted.
   assert timing.device_seconds(profile) == pytest.approx(4.0e-6)
   assert timing.device_seconds(profile, "/device:GPU:1") is None
+  # Busy: [0, 2.5] and [3.0, 3.5] us on one stream, [0, 1.0] on the other inside the first.
+  assert timing.device_seconds(profile, busy=True) == pytest.approx(3.0e-6)
 
 
 def test_kernel_time_is_read_where_there_is_a_gpu_plane():

@@ -15,6 +15,7 @@ import optax
 import pytest
 
 import optirs_jax
+from optirs_jax.transforms import REGISTRY
 from tests import cases
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
@@ -43,15 +44,19 @@ def test_triton_matches_reference_on_large_ragged_tree(name, leaf_policy):
   for _ in range(5):
     u, s = jax.jit(gpu.update)(grads, s, params)
     ru, rs = jax.jit(ref.update)(grads, rs, params)
+  # State a second pass updates from the norms (NovoGrad's, LARS's) inherits their summation
+  # order's last bits; near zero, a few steps' sums cancel.
+  state_tol = (dict(rtol=1e-5, atol=1e-8) if REGISTRY[name].norms
+               and REGISTRY[name].spec.reduction.fields else dict(rtol=1e-6, atol=1e-9))
   chex.assert_trees_all_close(u, ru, rtol=1e-6, atol=1e-9)
-  chex.assert_trees_all_close(s, rs, rtol=1e-6, atol=1e-9)
+  chex.assert_trees_all_close(s, rs, **state_tol)
   # The fused apply runs the large leaves in the kernel, in place (the update path hands
   # them to XLA for all but LAMB).
   p, s = jax.jit(lambda g, s, p: optirs_jax.apply(gpu, g, s, p))(grads, gpu.init(params), params)
   ru, rs = jax.jit(ref.update)(grads, ref.init(params), params)
   chex.assert_trees_all_close(p, jax.tree.map(lambda a, b: a + b, params, ru), rtol=1e-6,
                               atol=1e-7)
-  chex.assert_trees_all_close(s, rs, rtol=1e-6, atol=1e-9)
+  chex.assert_trees_all_close(s, rs, **state_tol)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -147,12 +152,13 @@ def test_8bit_triton_kernel_matches_reference(name):
       assert "triton" in step.lower(params, tx.init(params), grads).compile().as_text().lower()
   (p_gpu, s_gpu), (p_ref, s_ref) = out["auto"], out["jnp"]
   chex.assert_trees_all_close(p_gpu, p_ref, rtol=1e-5, atol=1e-6)
-  for k in ("emb", "aligned", "w"):
-    for field in ("mu", "nu"):
-      a, b = getattr(s_gpu, field)[k], getattr(s_ref, field)[k]
-      same = np.asarray(a.codes) == np.asarray(b.codes)
+  for field in ("mu", "nu"):
+    a, b = getattr(s_gpu, field), getattr(s_ref, field)  # Quantized8bit trees
+    values_a, values_b = a.dequantize(), b.dequantize()
+    for k in ("emb", "aligned", "w"):
+      same = np.asarray(a.codes[k]) == np.asarray(b.codes[k])
       assert same.mean() > 0.999, (k, field, same.mean())
-      np.testing.assert_allclose(np.asarray(a.dequantize()), np.asarray(b.dequantize()),
+      np.testing.assert_allclose(np.asarray(values_a[k]), np.asarray(values_b[k]),
                                  rtol=0.15, atol=1e-12)
 
 
@@ -164,7 +170,8 @@ def _contract(tx):
 
 
 @pytest.mark.parametrize("finite", [True, False], ids=["finite", "inf"])
-def test_loss_scaled_contract_path_on_the_kernels_equals_the_reference(finite):
+def test_loss_scaled_contract_path_on_the_kernels_equals_the_reference(finite,
+                                                                     standard_promotion):
   """with_loss_scaling(master_weights(adamw)) through update + apply_updates: on the GPU the
   kernels unscale and guard (guarded_update); the same numbers as the jnp reference, and a
   non-finite step changes nothing."""

@@ -45,21 +45,29 @@ def time_steps(run_step, state, *, warmup: int, batches: int, per_batch: int, wa
   return statistics.median(times), state, statistics.median(host)
 
 
-def device_seconds(profile_data, device: str = "/device:GPU:0") -> float | None:
+def device_seconds(profile_data, device: str = "/device:GPU:0", *,
+                   busy: bool = False) -> float | None:
   """Seconds of device work in a profile: the summed durations of the events on the
-  device plane's stream lines, or None when it has no such plane."""
+  device plane's stream lines, or None when it has no such plane. With ``busy``, the time
+  during which at least one event runs (the union of their intervals): events that
+  overlap, on several streams or lines, count once."""
   plane = profile_data.find_plane_with_name(device)
   if plane is None:
     return None
-  total_ns = 0.0
-  for line in plane.lines:
-    if line.name.startswith("Stream"):
-      total_ns += sum(event.duration_ns for event in line.events)
+  events = [e for line in plane.lines if line.name.startswith("Stream") for e in line.events]
+  if not busy:
+    return sum(e.duration_ns for e in events) * 1e-9
+  total_ns, end = 0.0, float("-inf")
+  for start, stop in sorted((e.start_ns, e.start_ns + e.duration_ns) for e in events):
+    if stop > end:
+      total_ns += stop - max(start, end)
+      end = stop
   return total_ns * 1e-9
 
 
-def kernel_seconds_per_step(run_step, state, steps: int):
-  """(device seconds per step from a profiler trace of ``steps`` steps or None, state)."""
+def kernel_seconds_per_step(run_step, state, steps: int, *, busy: bool = False):
+  """(device seconds per step from a profiler trace of ``steps`` steps or None, state);
+  ``busy``: the device's busy time (:func:`device_seconds`)."""
   import jax
   from jax.profiler import ProfileData
   block(state)
@@ -71,7 +79,7 @@ def kernel_seconds_per_step(run_step, state, steps: int):
     files = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
     if not files:
       return None, state
-    seconds = device_seconds(ProfileData.from_file(files[0]))
+    seconds = device_seconds(ProfileData.from_file(files[0]), busy=busy)
   return (None if seconds is None else seconds / steps), state
 
 

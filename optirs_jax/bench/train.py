@@ -11,8 +11,9 @@ every ``--eval-every`` steps, then measures:
 * ``first_call_s``: the first step's wall time (trace, compile, run);
 * ``ms``: wall time per step (median of batches of steps on one device batch, as a training
   loop that prefetches its data sees it), and ``tokens_per_s`` from it;
-* ``kernel_ms``: device time per step from the profiler; ``optimizer_kernel_ms``: that of the
-  optimizer's update alone on the same state (its share of the step); ``None`` on a CPU;
+* ``kernel_ms``: the device's busy time per step from the profiler (overlapping events count
+  once); ``optimizer_kernel_ms``: the kernel time of the optimizer's update alone on the same
+  state (its share of the step); ``None`` on a CPU;
 * ``peak_bytes``: the device's ``peak_bytes_in_use`` (``None`` where it keeps no stats).
 
 A progress bar runs while it trains; a table and a JSON (``meta`` with the date, device,
@@ -114,7 +115,7 @@ def measure(args) -> dict:
     return run.state
 
   ms, _, host = timing.time_steps(step, None, warmup=2, batches=3, per_batch=args.timing_steps)
-  kernel, _ = timing.kernel_seconds_per_step(step, None, args.timing_steps)
+  kernel, _ = timing.kernel_seconds_per_step(step, None, args.timing_steps, busy=True)
   grads = run.grads(batch)
 
   def opt(_):
@@ -181,7 +182,7 @@ def _meta(argv) -> dict:
 
 def table(results: dict) -> str:
   """The results as a text table, optax's first configuration as the reference."""
-  head = (f"{'config':<18} {'first s':>8} {'ms/step':>9} {'kernel ms':>10} {'opt ms':>8} "
+  head = (f"{'config':<18} {'first s':>8} {'ms/step':>9} {'busy ms':>10} {'opt ms':>8} "
           f"{'tokens/s':>10} {'peak GiB':>9} {'held-out':>9}  path")
   rows = [head]
   fmt = lambda x, f: "-" if x is None else format(x, f)
