@@ -98,3 +98,27 @@ def test_bad_arguments_name_the_value_and_the_valid_ones():
   assert "unknown configuration 'adamw9bit'; valid: ['optax'" in proc.stderr
   proc = _bench("--steps", "0")
   assert proc.returncode == 2 and "--steps must be at least 1, got 0" in proc.stderr
+
+
+@pytest.mark.parametrize("n, threshold", [(12, -1), (12, 0), (12, 6), (12, 11), (1, 0), (5, 3)])
+def test_the_search_finds_the_largest_rung_in_log_steps(n, threshold):
+  from optirs_jax.bench.largest import largest_fitting
+  k, tried = largest_fitting(n, lambda i: i <= threshold)
+  assert k == threshold and len(tried) <= (n + 1).bit_length()
+  assert len(set(tried)) == len(tried)  # no rung twice
+
+
+def test_the_largest_model_search_runs_each_attempt_in_a_process(tmp_path):
+  out = tmp_path / "largest.json"
+  proc = _bench("--largest", "--model", "tiny", "--configs", "optirs-fused", "--ladder",
+                "1x64,2x128,3x192", "--batch", "2", "--corpus-bytes", "100000",
+                "--json", str(out))
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  r = json.loads(out.read_text())["results"]["optirs-fused"]
+  model = GPT(GPTConfig.preset("tiny").scaled(3, 192), nnx.Rngs(0))
+  assert r["largest"]["layers"] == 3 and r["largest"]["width"] == 192
+  assert r["largest"]["parameters"] == sum(x.size for x in jax.tree.leaves(
+      nnx.state(model, nnx.Param)))
+  assert [(a["layers"], a["fits"]) for a in r["attempts"]] == [(2, True), (3, True)]
+  proc = _bench("--largest", "--ladder", "12by768")
+  assert proc.returncode == 2 and "a ladder is comma-separated LAYERSxWIDTH" in proc.stderr

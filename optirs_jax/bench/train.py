@@ -2,6 +2,7 @@
 
     python -m optirs_jax.bench.train [--model gpt2] [--configs optax,optirs-fused,...]
         [--steps 200] [--batch 8] [--eval-every 50] [--json out.json]
+    python -m optirs_jax.bench.train --largest [--configs ...] [--ladder 12x768,...]
 
 Each configuration (:mod:`optirs_jax.bench.steps`) runs in a process of its own (so its peak
 memory is its own), trains ``--steps`` steps from the same initial model on the same
@@ -18,6 +19,11 @@ every ``--eval-every`` steps, then measures:
 
 A progress bar runs while it trains; a table and a JSON (``meta`` with the date, device,
 versions and command; one result per configuration, keyed by its name) come at the end.
+
+With ``--largest`` it finds instead, per configuration, the largest model of the family
+that trains on the device (:mod:`optirs_jax.bench.largest`: a binary search over a ladder
+of depths and widths, each attempt a fresh process training two steps of ``--batch``
+sequences): its shape, parameters and peak memory.
 """
 
 from __future__ import annotations
@@ -59,8 +65,19 @@ def _args(argv=None) -> argparse.Namespace:
   p.add_argument("--corpus-bytes", type=int, default=None,
                  help="read at most about this many bytes of each split (default: all)")
   p.add_argument("--json", default=None, help="write the results here")
+  p.add_argument("--largest", action="store_true",
+                 help="find the largest model of the family each configuration trains")
+  p.add_argument("--ladder", default=None,
+                 help="the sizes --largest searches, LAYERSxWIDTH,... growing (default: "
+                      "GPT-2 small, medium, large, XL, then up to 104x6144)")
   p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # a child's configuration
+  p.add_argument("--probe", default=None, help=argparse.SUPPRESS)  # a child's LAYERSxWIDTH
   args = p.parse_args(argv)
+  from optirs_jax.bench.largest import LADDER, parse_ladder
+  try:
+    args.ladder = (parse_ladder(args.ladder) if args.ladder else LADDER)
+  except ValueError as e:
+    p.error(f"--ladder: {e}")
   from optirs_jax.bench.steps import check_configs
   try:
     args.configs = check_configs(args.configs.split(","))
@@ -154,9 +171,9 @@ class _Quiet:
     pass
 
 
-def _child(args, name: str, argv) -> dict:
+def _child(args, name: str, argv, extra=()) -> dict:
   """One configuration in a fresh process; its result, or the error it ended with."""
-  cmd = [sys.executable, "-m", "optirs_jax.bench.train", *argv, "--one", name]
+  cmd = [sys.executable, "-m", "optirs_jax.bench.train", *argv, "--one", name, *extra]
   proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=None, text=True)
   lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
   if proc.returncode or not lines:
@@ -178,6 +195,39 @@ def _meta(argv) -> dict:
           "corpus": {"train_bytes": len(train), "held_out_bytes": len(held),
                      "train_sha256": corpus.fingerprint(train),
                      "held_out_sha256": corpus.fingerprint(held)}}
+
+
+def _largest(args, name: str, argv) -> dict:
+  """The largest rung of ``args.ladder`` that ``name`` trains, each attempt a process."""
+  from optirs_jax.bench.largest import largest_fitting
+  attempts = []
+
+  def fits(k: int) -> bool:
+    layers, width = args.ladder[k]
+    r = _child(args, name, [a for a in argv if a != "--largest"],
+               ("--probe", f"{layers}x{width}"))
+    attempts.append(r | {"layers": layers, "width": width, "fits": "error" not in r})
+    print(f"  {layers}x{width}: {'fits' if 'error' not in r else 'does not fit'}",
+          file=sys.stderr, flush=True)
+    return "error" not in r
+
+  k, _ = largest_fitting(len(args.ladder), fits)
+  best = next((a for a in attempts if a["fits"] and (a["layers"], a["width"]) ==
+               args.ladder[k]), None) if k >= 0 else None
+  return {"config": name, "largest": best, "attempts": attempts}
+
+
+def largest_table(results: dict) -> str:
+  rows = [f"{'config':<18} {'layers x width':>15} {'parameters':>14} {'peak GiB':>9}"]
+  for name, r in results.items():
+    b = r["largest"]
+    if b is None:
+      rows.append(f"{name:<18} {'none fits':>15}")
+      continue
+    peak = "-" if b["peak_bytes"] is None else f"{b['peak_bytes'] / 2**30:.2f}"
+    rows.append(f"{name:<18} {str(b['layers']) + 'x' + str(b['width']):>15} "
+                f"{b['parameters']:>14,} {peak:>9}")
+  return "\n".join(rows)
 
 
 def table(results: dict) -> str:
@@ -202,14 +252,18 @@ def main(argv=None) -> int:
   argv = list(sys.argv[1:] if argv is None else argv)
   args = _args(argv)
   if args.one is not None:
-    print(json.dumps(measure(args)), flush=True)
+    if args.probe is not None:
+      from optirs_jax.bench.largest import probe
+      print(json.dumps(probe(args)), flush=True)
+    else:
+      print(json.dumps(measure(args)), flush=True)
     return 0
   results = {}
   for k, name in enumerate(args.configs):
     print(f"[{k + 1}/{len(args.configs)}] {name}", file=sys.stderr, flush=True)
-    results[name] = _child(args, name, argv)
+    results[name] = _largest(args, name, argv) if args.largest else _child(args, name, argv)
   report = {"meta": _meta(argv), "model": args.model, "results": results}
-  print(table(results))
+  print(largest_table(results) if args.largest else table(results))
   if args.json:
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as f:
