@@ -54,6 +54,10 @@ def test_device_time_sums_the_stream_lines_of_the_device_plane():
   assert timing.device_seconds(profile, "/device:GPU:1") is None
   # Busy: [0, 2.5] and [3.0, 3.5] us on one stream, [0, 1.0] on the other inside the first.
   assert timing.device_seconds(profile, busy=True) == pytest.approx(3.0e-6)
+  # Per kernel name, longest first: adam 2.5 us once; copy 0.5 + 1.0 us in two events.
+  top = timing.top_kernels(profile, 5)
+  assert [(n, c) for n, _, c in top] == [("adam", 1), ("copy", 2)]
+  assert [s for _, s, _ in top] == pytest.approx([2.5e-6, 1.5e-6])
 
 
 def test_kernel_time_is_read_where_there_is_a_gpu_plane():

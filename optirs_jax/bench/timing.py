@@ -83,6 +83,44 @@ def kernel_seconds_per_step(run_step, state, steps: int, *, busy: bool = False):
   return (None if seconds is None else seconds / steps), state
 
 
+def top_kernels(profile_data, top: int, device: str = "/device:GPU:0") -> list[tuple]:
+  """The ``top`` events of the device plane's stream lines by summed duration: ``(name,
+  seconds, count)`` each, longest first (empty without a device plane)."""
+  plane = profile_data.find_plane_with_name(device)
+  if plane is None:
+    return []
+  totals: dict[str, list] = {}
+  for line in plane.lines:
+    if line.name.startswith("Stream"):
+      for e in line.events:
+        t = totals.setdefault(e.name, [0.0, 0])
+        t[0] += e.duration_ns * 1e-9
+        t[1] += 1
+  return sorted(((n, s, c) for n, (s, c) in totals.items()), key=lambda x: -x[1])[:top]
+
+
+def profile_steps(run_step, state, steps: int, top: int = 0):
+  """``({busy_s, summed_s, top}, state)`` per step of a profiler trace of ``steps`` steps:
+  the device's busy and summed event time and its ``top`` kernels (name, seconds, calls per
+  step); the times None where the trace has no device plane."""
+  import jax
+  from jax.profiler import ProfileData
+  block(state)
+  with tempfile.TemporaryDirectory() as d:
+    with jax.profiler.trace(d):
+      for _ in range(steps):
+        state = run_step(state)
+      block(state)
+    files = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
+    data = ProfileData.from_file(files[0]) if files else None
+    busy = device_seconds(data, busy=True) if data else None
+    summed = device_seconds(data) if data else None
+    kernels = top_kernels(data, top) if data and top else []
+  per = lambda x: None if x is None else x / steps
+  return {"busy_s": per(busy), "summed_s": per(summed),
+          "top": [(n, sec / steps, c / steps) for n, sec, c in kernels]}, state
+
+
 def copy_bandwidth(n: int, *, warmup: int, batches: int, steps: int) -> float:
   """Bytes read plus written per second by an elementwise copy of ``n`` float32 (donated,
   in place, like the optimizer steps): from the profiler's kernel time where the trace has

@@ -14,7 +14,8 @@ every ``--eval-every`` steps, then measures:
   loop that prefetches its data sees it), and ``tokens_per_s`` from it;
 * ``kernel_ms``: the device's busy time per step from the profiler (overlapping events count
   once); ``optimizer_kernel_ms``: the kernel time of the optimizer's update alone on the same
-  state (its share of the step); ``None`` on a CPU;
+  state (its share of the step); ``None`` on a CPU; ``summed_kernel_ms`` (the events summed,
+  overlaps twice) and ``top_kernels`` (the step's longest kernels: where the time goes);
 * ``peak_bytes``: the device's ``peak_bytes_in_use`` (``None`` where it keeps no stats).
 
 A progress bar runs while it trains; a table and a JSON (``meta`` with the date, device,
@@ -62,6 +63,8 @@ def _args(argv=None) -> argparse.Namespace:
                  help="the schedule's warm-up steps (default: a tenth of --steps)")
   p.add_argument("--timing-steps", type=int, default=10,
                  help="steps per timed batch and per profiler trace")
+  p.add_argument("--top-kernels", type=int, default=12,
+                 help="the step's longest kernels to record per configuration (the JSON)")
   p.add_argument("--corpus-bytes", type=int, default=None,
                  help="read at most about this many bytes of each split (default: all)")
   p.add_argument("--json", default=None, help="write the results here")
@@ -83,6 +86,8 @@ def _args(argv=None) -> argparse.Namespace:
     args.configs = check_configs(args.configs.split(","))
   except ValueError as e:
     p.error(str(e))
+  if args.top_kernels < 0:
+    p.error(f"--top-kernels must be at least 0, got {args.top_kernels}")
   for name in ("steps", "batch", "eval_every", "eval_batches", "timing_steps"):
     if getattr(args, name) < 1:
       p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
@@ -132,7 +137,7 @@ def measure(args) -> dict:
     return run.state
 
   ms, _, host = timing.time_steps(step, None, warmup=2, batches=3, per_batch=args.timing_steps)
-  kernel, _ = timing.kernel_seconds_per_step(step, None, args.timing_steps, busy=True)
+  profile, _ = timing.profile_steps(step, None, args.timing_steps, top=args.top_kernels)
   grads = run.grads(batch)
 
   def opt(_):
@@ -146,7 +151,10 @@ def measure(args) -> dict:
   return {"config": args.one, "path": run.path, "parameters": run.parameters,
           "first_call_s": first, "ms": ms * 1e3, "host_ms": host * 1e3,
           "tokens_per_s": tokens / ms,
-          "kernel_ms": None if kernel is None else kernel * 1e3,
+          "kernel_ms": None if profile["busy_s"] is None else profile["busy_s"] * 1e3,
+          "summed_kernel_ms": None if profile["summed_s"] is None else profile["summed_s"] * 1e3,
+          "top_kernels": [{"name": n, "ms": sec * 1e3, "calls": c}
+                          for n, sec, c in profile["top"]],
           "optimizer_kernel_ms": None if opt_kernel is None else opt_kernel * 1e3,
           "peak_bytes": stats.get("peak_bytes_in_use"), "losses": losses, "evals": evals}
 
@@ -264,6 +272,9 @@ def main(argv=None) -> int:
     results[name] = _largest(args, name, argv) if args.largest else _child(args, name, argv)
   report = {"meta": _meta(argv), "model": args.model, "results": results}
   print(largest_table(results) if args.largest else table(results))
+  for name, r in results.items():  # the step's longest kernels, also where the JSON is lost
+    for k in r.get("top_kernels", [])[:6]:
+      print(f"  {name:<18} {k['ms']:8.3f} ms {k['calls']:6.1f} calls  {k['name'][:90]}")
   if args.json:
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as f:
