@@ -18,6 +18,10 @@ every ``--eval-every`` steps, then measures:
   overlaps twice) and ``top_kernels`` (the step's longest kernels: where the time goes);
 * ``peak_bytes``: the device's ``peak_bytes_in_use`` (``None`` where it keeps no stats).
 
+The processes share XLA's per-fusion autotuning cache, filled by one unrecorded step of the
+first configuration: the model's matmul fusions then run with the same choices in every
+configuration (each process would choose anew, differently from run to run).
+
 A progress bar runs while it trains; a table and a JSON (``meta`` with the date, device,
 versions and command; one result per configuration, keyed by its name) come at the end.
 
@@ -36,6 +40,7 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -180,9 +185,16 @@ class _Quiet:
 
 
 def _child(args, name: str, argv, extra=()) -> dict:
-  """One configuration in a fresh process; its result, or the error it ended with."""
+  """One configuration in a fresh process; its result, or the error it ended with. The
+  processes share XLA's autotuning cache (``args.autotune_cache``): each would otherwise
+  choose the model's matmul tilings anew, differently from run to run, and the step times
+  would differ by more than the optimizer."""
   cmd = [sys.executable, "-m", "optirs_jax.bench.train", *argv, "--one", name, *extra]
-  proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=None, text=True)
+  env = dict(os.environ)
+  if args.autotune_cache:
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_gpu_per_fusion_autotune_cache_dir="
+                        + args.autotune_cache).strip()
+  proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=None, text=True, env=env)
   lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
   if proc.returncode or not lines:
     return {"config": name, "error": f"exit {proc.returncode}: {proc.stdout[-2000:]}"}
@@ -198,6 +210,8 @@ def _meta(argv) -> dict:
   return {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
           "device": f"{device.platform}: {device.device_kind}",
           "command": "python -m optirs_jax.bench.train " + " ".join(argv),
+          "autotune": "XLA's per-fusion autotuning cache, shared by the configurations "
+                      "(filled by a first, unrecorded step)",
           "versions": {"jax": jax.__version__, "optax": optax.__version__,
                        "python": platform.python_version()},
           "corpus": {"train_bytes": len(train), "held_out_bytes": len(held),
@@ -256,6 +270,12 @@ def table(results: dict) -> str:
   return "\n".join(rows)
 
 
+def _run_all(args, argv, results: dict) -> None:
+  for k, name in enumerate(args.configs):
+    print(f"[{k + 1}/{len(args.configs)}] {name}", file=sys.stderr, flush=True)
+    results[name] = _largest(args, name, argv) if args.largest else _child(args, name, argv)
+
+
 def main(argv=None) -> int:
   argv = list(sys.argv[1:] if argv is None else argv)
   args = _args(argv)
@@ -267,9 +287,12 @@ def main(argv=None) -> int:
       print(json.dumps(measure(args)), flush=True)
     return 0
   results = {}
-  for k, name in enumerate(args.configs):
-    print(f"[{k + 1}/{len(args.configs)}] {name}", file=sys.stderr, flush=True)
-    results[name] = _largest(args, name, argv) if args.largest else _child(args, name, argv)
+  with tempfile.TemporaryDirectory() as cache:
+    args.autotune_cache = cache
+    if not args.largest and len(args.configs) > 1:  # fill the cache: every first call alike
+      print(f"[0/{len(args.configs)}] autotuning the model's fusions", file=sys.stderr)
+      _child(args, args.configs[0], argv + ["--steps", "1", "--timing-steps", "1"])
+    _run_all(args, argv, results)
   report = {"meta": _meta(argv), "model": args.model, "results": results}
   print(largest_table(results) if args.largest else table(results))
   for name, r in results.items():  # the step's longest kernels, also where the JSON is lost
