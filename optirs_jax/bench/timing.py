@@ -65,22 +65,11 @@ def device_seconds(profile_data, device: str = "/device:GPU:0", *,
   return total_ns * 1e-9
 
 
-def kernel_seconds_per_step(run_step, state, steps: int, *, busy: bool = False):
-  """(device seconds per step from a profiler trace of ``steps`` steps or None, state);
-  ``busy``: the device's busy time (:func:`device_seconds`)."""
-  import jax
-  from jax.profiler import ProfileData
-  block(state)
-  with tempfile.TemporaryDirectory() as d:
-    with jax.profiler.trace(d):
-      for _ in range(steps):
-        state = run_step(state)
-      block(state)
-    files = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
-    if not files:
-      return None, state
-    seconds = device_seconds(ProfileData.from_file(files[0]), busy=busy)
-  return (None if seconds is None else seconds / steps), state
+def kernel_seconds_per_step(run_step, state, steps: int):
+  """(device seconds per step from a profiler trace of ``steps`` steps or None, state): the
+  summed kernel time of :func:`profile_steps`."""
+  profile, state = profile_steps(run_step, state, steps)
+  return profile["summed_s"], state
 
 
 def top_kernels(profile_data, top: int, device: str = "/device:GPU:0") -> list[tuple]:

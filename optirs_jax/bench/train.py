@@ -201,11 +201,10 @@ def _child(args, name: str, argv, extra=()) -> dict:
   return json.loads(lines[-1])
 
 
-def _meta(argv) -> dict:
+def _meta(argv, args) -> dict:
   import jax
   import optax
-  train, held = corpus.load(None if "--corpus-bytes" not in argv else
-                            int(argv[argv.index("--corpus-bytes") + 1]))
+  train, held = corpus.load(args.corpus_bytes)
   device = jax.devices()[0]
   return {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
           "device": f"{device.platform}: {device.device_kind}",
@@ -293,7 +292,7 @@ def main(argv=None) -> int:
       print(f"[0/{len(args.configs)}] autotuning the model's fusions", file=sys.stderr)
       _child(args, args.configs[0], argv + ["--steps", "1", "--timing-steps", "1"])
     _run_all(args, argv, results)
-  report = {"meta": _meta(argv), "model": args.model, "results": results}
+  report = {"meta": _meta(argv, args), "model": args.model, "results": results}
   print(largest_table(results) if args.largest else table(results))
   for name, r in results.items():  # the step's longest kernels, also where the JSON is lost
     for k in r.get("top_kernels", [])[:6]:
