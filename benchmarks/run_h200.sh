@@ -14,7 +14,8 @@
 # sass (benchmarks/xla_sass.py $SASS_ARGS: the SASS XLA compiles the fused apply into),
 # tests (the whole suite with the GPU visible, WORKERS pytest-xdist workers), bench (python
 # -m optirs_jax.bench $BENCH_ARGS), sparse (benchmarks/sparse_rows.py $SPARSE_ARGS), flax
-# (benchmarks/flax_steps.py), train (python -m optirs_jax.bench.train $TRAIN_ARGS).
+# (benchmarks/flax_steps.py), muon (benchmarks/muon_step.py $MUON_ARGS), train (python -m
+# optirs_jax.bench.train $TRAIN_ARGS).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/optirs_out}
@@ -105,6 +106,10 @@ fi
 if has bench; then
   timeout ${BENCH_TIMEOUT:-400} python3 -m optirs_jax.bench ${BENCH_ARGS:-} --json "$OUT/bench.json" \
     2>"$OUT/bench.err" | tee "$OUT/bench.txt"
+fi
+if has muon; then
+  timeout ${MUON_TIMEOUT:-240} python3 benchmarks/muon_step.py ${MUON_ARGS:-} --json "$OUT/muon.json" \
+    2>&1 | grep -v "^WARNING\|^I0000\|^E0000" | tee "$OUT/muon.txt"
 fi
 if has train; then
   timeout ${TRAIN_TIMEOUT:-400} python3 -m optirs_jax.bench.train ${TRAIN_ARGS:-} \

@@ -15,9 +15,18 @@ dtype('float32')
 
 from importlib import metadata as _metadata
 
-from optirs_jax import flat, fusion, mixed_precision, multi_device, quantization, sparse
+from optirs_jax import (
+  flat,
+  fusion,
+  mixed_precision,
+  multi_device,
+  orthogonal,
+  quantization,
+  sparse,
+)
 from optirs_jax.apply import apply
 from optirs_jax.backends import SUPPORTED_BACKENDS, available_backends
+from optirs_jax.orthogonal import muon
 from optirs_jax.pallas.options import ExecutorOptions, Tiling
 from optirs_jax.quantization import adam8bit, adamw8bit
 from optirs_jax.transforms import REGISTRY
@@ -37,7 +46,7 @@ except _metadata.PackageNotFoundError:  # running from a source tree
 
 __all__ = [
     "OPTIMIZERS", "SUPPORTED_BACKENDS", "ExecutorOptions", "Tiling", "adam8bit", "adamw8bit",
-    "apply", "available_backends", "flat", "fusion", "mixed_precision", "multi_device",
-    "quantization", "sparse",
+    "apply", "available_backends", "flat", "fusion", "mixed_precision", "multi_device", "muon",
+    "orthogonal", "quantization", "sparse",
 ]
 __all__ += [*OPTIMIZERS, *_STATES]  # the registry's

@@ -1,0 +1,112 @@
+"""Muon on GPT-2 small's params: optax.contrib.muon against optirs_jax.muon (the momentum's
+precision, and bfloat16 Newton–Schulz), with optax.adamw for scale, side by side on the
+local GPU; and the GPU's matrix-product peak in the same run.
+
+    PYTHONPATH=. python3 benchmarks/muon_step.py [--json out.json] [--steps N] [--scale S]
+
+Per configuration: one jitted step (update + apply_updates, params and state donated) on
+fixed gradients; first call (trace, compile, run), kernel time per step from the profiler
+(summed and busy), kernels per step, and the Newton–Schulz products' achieved TFLOP/s (their
+operations, ``optirs_jax.orthogonal.flops``, over the step's busy kernel time: a lower
+bound, the step's elementwise work counts against it). The peak: a square product of
+8192 in TF32 and in bfloat16 (``optirs_jax.planning.tensor_cores.gemm``), timed the same way.
+"""
+
+import argparse
+import datetime
+import json
+import sys
+
+import jax
+import jax.numpy as jnp
+import optax
+from optax import contrib
+
+import optirs_jax
+from optirs_jax.bench import timing
+from optirs_jax.bench.cases import gpt2_small_shapes, make_tree
+from optirs_jax.orthogonal import flops
+from optirs_jax.planning.tensor_cores import gemm
+
+CONFIGS = {
+    "optax.contrib.muon": lambda: contrib.muon(0.02),
+    "optirs muon": lambda: optirs_jax.muon(0.02),
+    "optirs muon ns bf16": lambda: optirs_jax.muon(0.02, ns_dtype=jnp.bfloat16),
+    "optax.adamw": lambda: optax.adamw(1e-3),
+}
+
+
+def measure(tx, params, grads, steps):
+  def step(state):
+    p, s = state
+    u, s = tx.update(grads, s, p)
+    return optax.apply_updates(p, u), s
+
+  jitted = jax.jit(step, donate_argnums=0)
+  params = jax.tree.map(jnp.copy, params)  # each configuration donates its own
+  state, first = timing.first_call(jitted, (params, tx.init(params)))
+  for _ in range(3):
+    state = jitted(state)
+  prof, state = timing.profile_steps(jitted, state, steps, top=100_000)
+  return first, prof
+
+
+def peak(n: int, steps: int) -> dict:
+  a = jax.random.normal(jax.random.PRNGKey(0), (n, n))
+  out = {}
+  for precision in ("tf32", "bf16"):
+    f = jax.jit(lambda x, p=precision: (gemm(x, a, p) * (1.0 / n)).astype(jnp.float32))
+    prof, _ = timing.profile_steps(f, a, steps)
+    if prof["busy_s"]:
+      out[precision] = 2 * n**3 / prof["busy_s"] / 1e12
+  return out
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--steps", type=int, default=10, help="steps per profiler trace")
+  p.add_argument("--scale", type=int, default=768, help="GPT-2's width (768: small)")
+  p.add_argument("--layers", type=int, default=12)
+  p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma list of {list(CONFIGS)}")
+  p.add_argument("--json", default=None)
+  args = p.parse_args(argv)
+  shapes = gpt2_small_shapes(d=args.scale, layers=args.layers)
+  params, grads = make_tree(shapes, 0), make_tree(shapes, 1)
+  ns_flops = sum(flops(s, 5) for s in shapes.values() if len(s) == 2)
+  dev = jax.devices()[0]
+  print(f"# {datetime.datetime.now(datetime.UTC):%Y-%m-%dT%H:%M:%S}Z {dev.device_kind}, jax "
+        f"{jax.__version__}, optax {optax.__version__}; GPT-2 width {args.scale}, "
+        f"{args.layers} layers, {len(shapes)} leaves; Newton-Schulz {ns_flops / 1e12:.3f} "
+        "TFLOP a step (5 steps)", flush=True)
+  peaks = peak(8192 if dev.platform == "gpu" else 256, args.steps)
+  print("# matmul peak (8192^3): " + ", ".join(f"{k} {v:.1f} TFLOP/s" for k, v in peaks.items()),
+        flush=True)
+  rows = []
+  print(f"{'config':<22}{'first s':>9}{'busy ms':>10}{'summed ms':>11}{'kernels':>9}"
+        f"{'x optax':>9}{'NS TFLOP/s':>12}", flush=True)
+  base = None
+  for name in args.configs.split(","):
+    if name not in CONFIGS:
+      sys.exit(f"unknown config {name!r}; valid: {list(CONFIGS)}")
+    first, prof = measure(CONFIGS[name](), params, grads, args.steps)
+    busy = prof["busy_s"]
+    base = busy if name == "optax.contrib.muon" else base
+    tflops = ns_flops / busy / 1e12 if busy and "muon" in name else None
+    row = dict(config=name, first_s=first, busy_ms=busy and busy * 1e3,
+               summed_ms=prof["summed_s"] and prof["summed_s"] * 1e3,
+               x_optax=(base / busy) if base and busy else None, ns_tflops=tflops,
+               kernels=sum(c for _, _, c in prof["top"]) or None, top=prof["top"][:8])
+    rows.append(row)
+    fmt = lambda v, f: format(v, f) if v is not None else format("-", ">" + f.split(".")[0])
+    print(f"{name:<22}{first:9.2f}{fmt(row['busy_ms'], '10.3f')}{fmt(row['summed_ms'], '11.3f')}"
+          f"{fmt(row['kernels'], '9.0f')}"
+          f"{fmt(row['x_optax'], '9.2f')}{fmt(tflops, '12.1f')}", flush=True)
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(dict(device=dev.device_kind, jax=jax.__version__, optax=optax.__version__,
+                     width=args.scale, layers=args.layers, ns_tflop=ns_flops / 1e12,
+                     peak_tflops=peaks, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+  main()

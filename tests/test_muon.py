@@ -1,0 +1,227 @@
+"""optirs_jax.muon against optax.contrib.muon: the same numbers for every argument, the
+batched Newton–Schulz chains, and optax's own Muon tests (``optax/contrib/_muon_test.py``)
+written out for ours.
+
+Tolerances: a tree of one matrix (and one vector for AdamW) compiles the same program as
+optax's, and the numbers are equal bit for bit. Trees of several matrices are compared
+with a relative Frobenius error per leaf of 5e-6 in float32: XLA compiles each library's
+whole step as one program and fuses it by its own choices, and optax's numbers for a leaf
+already differ by that much depending on which other leaves share its tree (its update of
+one 8x16 leaf alone and beside a second one differ by 6e-7 on this CPU). Batched
+bfloat16 Newton–Schulz (``ns_dtype``) against optax's float32 chain: 0.1 per leaf.
+"""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from optax import contrib
+
+import optirs_jax
+from optirs_jax.orthogonal import MuonDimensionNumbers as D
+from optirs_jax.orthogonal import coefficients, flops, orthogonalize
+
+CASES = [
+    {}, {"nesterov": False}, {"adaptive": True}, {"preconditioning": "aol"},
+    {"preconditioning": "schatten"}, {"preconditioning": "spectral"}, {"ns_coeffs": "dion"},
+    {"ns_coeffs": ((3.4445, -4.7750, 2.0315),) * 3, "ns_steps": 4}, {"ns_steps": 3},
+    {"beta": 0.9, "eps": 1e-6}, {"weight_decay": 0.1},
+    {"weight_decay": 0.1, "weight_decay_mask": {"w": False, "b": True}},
+    {"consistent_rms": 0.2}, {"mu_dtype": jnp.bfloat16},
+    {"adam_b1": 0.8, "adam_b2": 0.99, "adam_eps_root": 1e-8, "adam_weight_decay": 0.1,
+     "adam_learning_rate": 0.1},
+    {"learning_rate": optax.linear_schedule(0.1, 0.0, 5)},
+]
+KEY = jax.random.PRNGKey(0)
+MATRIX = {"w": jax.random.normal(KEY, (6, 10)), "b": jnp.ones(10)}
+STACKED = {"w": jax.random.normal(KEY, (3, 6, 10)), "b": jnp.ones(10)}
+OD = contrib.MuonDimensionNumbers  # optax's, which both take
+DIMS = [
+    ("2d", MATRIX, None),
+    ("batch-axis", STACKED, {"w": OD(1, 2), "b": None}),
+    ("callable-two-reduction-axes", STACKED, lambda p: {"w": OD((0, 1), 2), "b": None}),
+]
+
+
+def _run(tx, params, steps=3):
+  state = tx.init(params)
+  step = jax.jit(tx.update)
+  for t in range(steps):
+    grads = jax.tree.map(lambda v, t=t: jnp.sin(v * (t + 1)), params)
+    updates, state = step(grads, state, params)
+    params = optax.apply_updates(params, updates)
+  return params, state
+
+
+def _both(kw, params, dims, **ours):
+  kw = dict(kw)
+  lr = kw.pop("learning_rate", 0.02)
+  if dims is not None:
+    kw["muon_weight_dimension_numbers"] = dims
+  return _run(contrib.muon(lr, **kw), params), _run(optirs_jax.muon(lr, **kw, **ours), params)
+
+
+def _rel(a, b) -> float:
+  return float(jnp.linalg.norm((a - b).ravel()) / jnp.linalg.norm(b.ravel()))
+
+
+# Every case on a 2-D matrix; the reshaped layouts with the cases that read the shape.
+MATRIX_CASES = [(kw, *DIMS[0]) for kw in CASES] + [
+    (kw, *layout) for layout in DIMS[1:]
+    for kw in (CASES[0], CASES[3], CASES[4], CASES[12], CASES[15])]
+
+
+@pytest.mark.parametrize("kw, layout, params, dims", MATRIX_CASES,
+                         ids=[f"{','.join(c[0]) or 'default'}-{c[1]}" for c in MATRIX_CASES])
+def test_one_matrix_equals_optax_bit_for_bit(kw, layout, params, dims, standard_promotion):
+  with jax.default_matmul_precision("highest"):
+    (ref, ref_state), (got, state) = _both(kw, params, dims)
+  chex.assert_trees_all_equal(got, ref)
+  # The Muon partition's state is optax's, field for field.
+  chex.assert_trees_all_equal(state[0]["muon"][0][0][1], ref_state[0]["muon"][0][0][1])
+
+
+def _layers_tree():
+  shapes = ({f"attn{i}": (16, 48) for i in range(4)} | {f"up{i}": (16, 64) for i in range(3)}
+            | {f"down{i}": (64, 16) for i in range(3)} | {"emb": (100, 16), "b": (16,)})
+  return {k: jax.random.normal(jax.random.fold_in(KEY, i), s)
+          for i, (k, s) in enumerate(shapes.items())}
+
+
+@pytest.mark.parametrize("kw", [{}, {"preconditioning": "aol", "adaptive": True},
+                                {"ns_coeffs": "dion", "weight_decay": 0.1}],
+                         ids=["default", "aol-adaptive", "dion-decay"])
+def test_layers_batched_match_optax(kw, standard_promotion):
+  params = _layers_tree()
+  with jax.default_matmul_precision("highest"):
+    (ref, _), (got, _) = _both(kw, params, None)
+  for k in params:
+    assert _rel(got[k], ref[k]) < 5e-6, (k, _rel(got[k], ref[k]))
+
+
+def _dots(tx, params) -> int:
+  grads = jax.tree.map(jnp.sin, params)
+  return str(jax.make_jaxpr(tx.update)(grads, tx.init(params), params)).count("dot_general")
+
+
+def test_one_chain_per_matrix_shape(standard_promotion):
+  # attn (16x48), up (16x64) and down (64x16: its transpose) and emb (100x16: 16x100):
+  # three chains here, one per leaf (eleven) in optax's; three products a step each.
+  params = _layers_tree()
+  assert _dots(optirs_jax.muon(0.02), params) == 3 * 3
+  assert _dots(contrib.muon(0.02), params) == 11 * 3
+
+
+def test_bfloat16_newton_schulz_is_close_to_optax(standard_promotion):
+  params = _layers_tree()
+  grads = jax.tree.map(jnp.sin, params)
+  with jax.default_matmul_precision("highest"):
+    ref, _ = jax.jit(contrib.muon(0.02).update)(grads, contrib.muon(0.02).init(params), params)
+  tx = optirs_jax.muon(0.02, ns_dtype=jnp.bfloat16)
+  got, _ = jax.jit(tx.update)(grads, tx.init(params), params)
+  for k in params:
+    assert got[k].dtype == ref[k].dtype
+    assert _rel(got[k], ref[k]) < 0.1, (k, _rel(got[k], ref[k]))
+  assert _rel(got["b"], ref["b"]) == 0.0  # AdamW's leaves do not see ns_dtype
+
+
+def test_newton_schulz_orthogonalizes():
+  # optax's test_newton_schulz: 20 steps of (2, -1.5, 0.5) give an orthonormal matrix,
+  # for a real and a complex one; here both in one call, with a numpy check of the Gram.
+  real = jax.random.normal(jax.random.key(0), (4, 3), dtype=jnp.float32)
+  cplx = jax.random.normal(jax.random.key(0), (4, 3), dtype=jnp.complex64)
+  c = jnp.array([2.0, -1.5, 0.5])
+  for x in (real, cplx):
+    (o,) = orthogonalize([x], [D()], c, 20, eps=1e-12)
+    o = np.asarray(o)
+    np.testing.assert_allclose(o.conj().T @ o, np.eye(3), atol=1e-5, rtol=1e-5)
+    assert o.shape == x.shape
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+@pytest.mark.parametrize("adaptive", [True, False])
+def test_complex_target(adaptive, nesterov):
+  # optax's test_complex_mixed_target.
+  final = jnp.array([[1.0 + 2.0j, 0.0], [-1.0 + 1.0j, 1.0 - 3.0j]], jnp.complex64)
+  loss = lambda p: jnp.sum(jnp.abs(p - final) ** 2)
+  opt = optirs_jax.muon(1e-2, adaptive=adaptive, nesterov=nesterov)
+
+  @jax.jit
+  def step(carry, _):
+    params, state = carry
+    grads = jax.tree.map(jnp.conj, jax.grad(loss)(params))
+    updates, state = opt.update(grads, state, params)
+    return (optax.apply_updates(params, updates), state), None
+
+  params = jnp.zeros((2, 2), jnp.complex64)
+  (params, _), _ = jax.lax.scan(step, (params, opt.init(params)), length=1000)
+  chex.assert_trees_all_close(params, final, rtol=3e-2, atol=3e-2)
+
+
+@pytest.mark.parametrize("preconditioning", ["frobenius", "aol", "schatten"])
+def test_orthogonality(preconditioning):
+  # optax's test_orthogonality.
+  params = {"w": jnp.eye(8) * 2.0}
+  opt = optirs_jax.muon(0.1, preconditioning=preconditioning)
+  w = opt.update(params, opt.init(params), params)[0]["w"]
+  gram = w.T @ w
+  assert float(jnp.linalg.norm(gram / jnp.max(gram) - jnp.eye(8))) < 1e-3
+
+
+def test_dimension_numbers_send_leaves_where_optax_does():
+  # optax's test_dim_nums_combinations: which leaves hold Muon's momentum.
+  masked = lambda x: isinstance(x, optax.MaskedNode)
+  mu = lambda params, dims=None: optirs_jax.muon(
+      1e-3, muon_weight_dimension_numbers=dims).init(params)[0]["muon"][0][0][1]
+  dn = D(1, 2)
+  got = mu({"w1": jnp.ones((1, 2, 3)), "w2": jnp.ones((2, 3, 4))}, {"w1": dn, "w2": dn})
+  assert not masked(got["w1"]) and not masked(got["w2"])
+  got = mu({"w1": jnp.ones((1, 2, 3)), "w2": jnp.ones((3, 4))})
+  assert masked(got["w1"]) and not masked(got["w2"])
+  params = {"w1": {"a": jnp.ones((2, 3)), "b": jnp.ones((2, 3))},
+            "w2": {"a": jnp.ones((2, 3)), "b": jnp.ones((2, 3))}}
+  got = mu(params, {"w1": None, "w2": {"a": D(), "b": None}})
+  assert [masked(got[k][j]) for k in ("w1", "w2") for j in "ab"] == [True, True, False, True]
+  got = mu(params, {"w1": D(), "w2": None})
+  assert [masked(got[k][j]) for k in ("w1", "w2") for j in "ab"] == [False, False, True, True]
+  # and the update runs with each
+  opt = optirs_jax.muon(1e-3, muon_weight_dimension_numbers={"w1": None,
+                                                              "w2": {"a": D(), "b": None}})
+  updates, _ = opt.update(params, opt.init(params), params)
+  assert jax.tree.structure(updates) == jax.tree.structure(params)
+
+
+def test_flops_count_the_products():
+  # (m <= n after the transpose): 2 m^2 n + 2 m^3 + 2 m^2 n per step and matrix.
+  assert flops((3, 5), 1) == 4 * 9 * 5 + 2 * 27
+  assert flops((5, 3), 2) == 2 * (4 * 9 * 5 + 2 * 27)
+  assert flops((4, 3, 5), 1, D(1, 2)) == 4 * (4 * 9 * 5 + 2 * 27)
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"ns_coeffs": "fast"}, "not a preset"),
+    ({"preconditioning": "qr"}, "not one of"),
+    ({"ns_steps": 2.5}, "ns_steps"),
+    ({"ns_coeffs": (1.0, 2.0)}, r"shape \(3,\) or \(n, 3\)"),
+    ({"ns_coeffs": ((1.0, 2.0, 3.0),) * 4, "ns_steps": 3}, "more than ns_steps"),
+    ({"beta": 1.5}, "beta"),
+    ({"ns_dtype": jnp.int32}, "ns_dtype"),
+])
+def test_bad_arguments_name_the_value(kw, match):
+  with pytest.raises((ValueError, TypeError), match=match):
+    optirs_jax.muon(0.02, **kw)
+
+
+def test_rank_one_leaf_named_as_a_matrix_fails_clearly():
+  opt = optirs_jax.muon(0.02, muon_weight_dimension_numbers={"b": D()})
+  params = {"b": jnp.ones(4)}
+  with pytest.raises(ValueError, match="rank >= 2"):
+    opt.update(params, opt.init(params), params)
+
+
+def test_coefficients_keep_the_last_rows():
+  assert coefficients("standard", 5).shape == (3,)
+  assert coefficients("dion", 5).shape == (5, 3)
+  assert coefficients("dion", 7).shape == (5, 3)
