@@ -435,3 +435,89 @@ def test_compression_stats_count_bytes_by_dtype():
   stats = md.compression_stats(state)
   assert float(stats["dense_bytes"]) == 210 * 2  # bfloat16: 2 bytes an element
   assert float(stats["bytes_sent"]) == 21 * (2 + 4)  # values in bfloat16, int32 indices
+
+
+# Muon: the stacked matrices spread over the devices, whole, before Newton-Schulz.
+MUON_SHAPES = {**{f"w{i}": (64, 128) for i in range(3)}, "up": (128, 64), "b": (128,)}
+
+
+def _muon_inputs(mesh):
+  params = {k: jax.random.normal(jax.random.PRNGKey(i), s)
+            for i, (k, s) in enumerate(MUON_SHAPES.items())}
+  specs = {k: P("d") if len(s) == 2 else P() for k, s in MUON_SHAPES.items()}
+  return params, place(params, mesh, specs)
+
+
+def _muon_step(tx):
+  def step(p, s, g):
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), s
+  return jax.jit(step)
+
+
+def _collectives(hlo: str) -> dict:
+  return {c: hlo.count(f"{c}(") for c in ("all-reduce", "all-gather", "all-to-all")}
+
+
+def test_muon_fsdp_iterates_without_collectives_and_keeps_the_numbers():
+  mesh = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Auto,))
+  plain, params = _muon_inputs(mesh)
+  counts = {}
+  for steps in (3, 6):
+    tx = optirs_jax.muon(0.02, ns_steps=steps)
+    state = tx.init(params)
+    with jax.set_mesh(mesh):
+      step = _muon_step(tx)
+      counts[steps] = _collectives(step.lower(params, state, params).compile().as_text())
+      new, _ = step(params, state, params)
+  # Reshards in and out of the one stack (w0-2 and up's transpose), as many for 6 steps
+  # as for 3: none inside the iteration; nothing sums or gathers a matrix.
+  assert counts[3] == counts[6], counts
+  assert counts[6]["all-reduce"] == 0 and counts[6]["all-gather"] == 0, counts
+  assert counts[6]["all-to-all"] > 0, counts
+  # Left to GSPMD, the same step gathers (what optax's does): the check can fail.
+  with jax.set_mesh(mesh):
+    spread_off = optirs_jax.muon(0.02, ns_steps=6, ns_axes=None)
+    theirs = _collectives(_muon_step(spread_off).lower(params, state, params).compile()
+                          .as_text())
+  assert theirs["all-gather"] + theirs["all-reduce"] > 0, theirs
+  ref, _ = _muon_step(tx)(plain, tx.init(plain), plain)
+  for k, s in MUON_SHAPES.items():
+    assert new[k].sharding.is_equivalent_to(params[k].sharding, len(s)), k
+    np.testing.assert_allclose(new[k], ref[k], rtol=1e-5, atol=1e-6)
+
+
+def test_muon_on_explicit_axes_spreads_without_a_context_mesh():
+  # optax.contrib.muon cannot trace here (its Gram product of a row-sharded matrix is
+  # illegally sharded); ours reshards each stack, then each result back.
+  mesh = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Explicit,))
+  plain, params = _muon_inputs(mesh)
+  tx = optirs_jax.muon(0.02)
+  new, _ = _muon_step(tx)(params, tx.init(params), params)
+  ref, _ = _muon_step(tx)(plain, tx.init(plain), plain)
+  for k, s in MUON_SHAPES.items():
+    assert new[k].sharding.is_equivalent_to(params[k].sharding, len(s)), k
+    np.testing.assert_allclose(new[k], ref[k], rtol=1e-5, atol=1e-6)
+
+
+def test_muon_inside_shard_map_with_replicated_params():
+  # Data parallel inside a user's shard_map: every device holds whole matrices; the manual
+  # axis is not spread over, and the numbers are the single device's.
+  mesh = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Explicit,))
+  params = {k: jax.random.normal(jax.random.PRNGKey(i), s)
+            for i, (k, s) in enumerate(MUON_SHAPES.items())}
+  tx = optirs_jax.muon(0.02)
+  state = tx.init(params)
+  local = jax.shard_map(lambda p, s, g: _muon_step(tx)(p, s, g)[0], mesh=mesh,
+                        in_specs=P(), out_specs=P())
+  got = jax.jit(local)(params, state, params)
+  ref, _ = _muon_step(tx)(params, state, params)
+  chex.assert_trees_all_close(got, ref, rtol=1e-6, atol=1e-7)
+
+
+def test_muon_names_unknown_spread_axes():
+  mesh = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Auto,))
+  _, params = _muon_inputs(mesh)
+  tx = optirs_jax.muon(0.02, ns_axes="model")
+  with jax.set_mesh(mesh), pytest.raises(ValueError, match="ns_axes='model' names"):
+    tx.update(params, tx.init(params), params)

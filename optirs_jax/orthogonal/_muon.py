@@ -72,8 +72,8 @@ def scale_by_muon(ns_coeffs: Any = PRESETS["standard"], ns_steps: int = 5,
                   beta: jax.typing.ArrayLike = 0.95, eps: jax.typing.ArrayLike = 1e-8,
                   mu_dtype: Any | None = None, *, nesterov: bool = True,
                   adaptive: bool = False, preconditioning: str = "frobenius",
-                  weight_dimension_numbers: Any = None, ns_dtype: Any | None = None
-                  ) -> optax.GradientTransformation:
+                  weight_dimension_numbers: Any = None, ns_dtype: Any | None = None,
+                  ns_axes: Any = "auto") -> optax.GradientTransformation:
   r"""Muon's direction: momentum, orthogonalized; the numbers of
   :func:`optax.contrib.scale_by_muon`, with the leaves of one matrix shape orthogonalized
   as one batched chain (:func:`~optirs_jax.orthogonal.orthogonalize`).
@@ -89,6 +89,8 @@ def scale_by_muon(ns_coeffs: Any = PRESETS["standard"], ns_steps: int = 5,
     ns_coeffs, ns_steps, beta, eps, mu_dtype, nesterov, adaptive, preconditioning,
       weight_dimension_numbers: as in :func:`muon`.
     ns_dtype: the Newton–Schulz products' dtype (``None``: the momentum's, as optax).
+    ns_axes: the mesh axes the stacked matrices are spread over, whole, before the
+      iteration (:func:`~optirs_jax.orthogonal.orthogonalize`).
 
   Returns:
     An :class:`optax.GradientTransformation` with state :class:`MuonState`.
@@ -123,7 +125,7 @@ def scale_by_muon(ns_coeffs: Any = PRESETS["standard"], ns_steps: int = 5,
     else:
       mu_hat = [correct(m, count) for m in new_mu]
     out = orthogonalize(mu_hat, dims, state.ns_coeffs, steps, preconditioning=preconditioning,
-                        eps=eps, ns_dtype=ns_dtype)
+                        eps=eps, ns_dtype=ns_dtype, ns_axes=ns_axes)
     if adaptive:  # the dual norm of the momentum (Bernstein et al., 2024)
       out = [jnp.sum(m.conj() * o) * o for m, o in zip(mu_hat, out)]
     new_mu = [m if mu_dtype is None else m.astype(mu_dtype) for m in new_mu]
@@ -197,7 +199,8 @@ def muon(learning_rate: optax.ScalarOrSchedule, ns_coeffs: Any = PRESETS["standa
          adam_learning_rate: optax.ScalarOrSchedule | None = None,
          muon_weight_dimension_numbers: Any = None,
          consistent_rms: jax.typing.ArrayLike | None = None, ns_dtype: Any | None = None,
-         backend: str = "auto", executor_options: ExecutorOptions | None = None
+         ns_axes: Any = "auto", backend: str = "auto",
+         executor_options: ExecutorOptions | None = None
          ) -> optax.GradientTransformation:
   r"""Muon (Jordan et al., 2024): the numbers of :func:`optax.contrib.muon`, with the
   Newton–Schulz chains batched across the leaves of one matrix shape and AdamW as
@@ -237,6 +240,10 @@ def muon(learning_rate: optax.ScalarOrSchedule, ns_coeffs: Any = PRESETS["standa
     consistent_rms: ``None`` for width scaling, or the target RMS of the update.
     ns_dtype: the Newton–Schulz products' dtype: ``None`` computes in the momentum's
       dtype, as optax (the same numbers); ``jnp.bfloat16`` is the usual fast choice.
+    ns_axes: on a mesh of several devices (``jax.set_mesh``'s, or the params' Explicit
+      one), the axes the stacked matrices are spread over, whole, so that each device
+      orthogonalizes whole matrices and the iteration holds no collective: ``"auto"``
+      (every axis not manual), names, or ``None`` (leave the stacks as GSPMD places them).
     backend, executor_options: the AdamW partition's (:func:`optirs_jax.adamw`).
 
   Returns:
@@ -273,7 +280,8 @@ def muon(learning_rate: optax.ScalarOrSchedule, ns_coeffs: Any = PRESETS["standa
           "muon": optax.chain(
               scale_by_muon(ns_coeffs, ns_steps, beta, eps, mu_dtype, nesterov=nesterov,
                             adaptive=adaptive, preconditioning=preconditioning,
-                            weight_dimension_numbers=dims, ns_dtype=ns_dtype),
+                            weight_dimension_numbers=dims, ns_dtype=ns_dtype,
+                            ns_axes=ns_axes),
               _scale_by_shape(dims, consistent_rms),
               optax.add_decayed_weights(weight_decay, weight_decay_mask),
               optax.scale_by_learning_rate(learning_rate)),

@@ -19,12 +19,16 @@ Each matrix of a stack takes exactly the operations optax's chain takes on it al
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
 
 #: Newton–Schulz coefficients by name (optax's presets): Keller Jordan's quintic, and
 #: Dion's five-step schedule (one row per step).
@@ -201,10 +205,17 @@ def orthogonalize_stack(x: jax.Array, coeffs: jax.Array, ns_steps: int, *,
 
 def orthogonalize(leaves: Sequence[jax.Array], dims: Sequence, coeffs: jax.Array,
                   ns_steps: int, *, preconditioning: str = "frobenius", eps=1e-8,
-                  ns_dtype=None) -> list[jax.Array]:
+                  ns_dtype=None, ns_axes="auto") -> list[jax.Array]:
   """Every leaf orthogonalized; leaves whose matrices share a shape (up to a transpose)
   and a dtype run as one batched chain (:func:`orthogonalize_stack` of their concatenated
   matrices).
+
+  On a mesh of several devices (the context mesh of ``jax.set_mesh``, or the mesh of
+  leaves sharded on Explicit axes), each stack is first spread over the mesh axes
+  ``ns_axes`` (``"auto"``: every axis not manual; ``None``: do not spread) by its matrices,
+  zero matrices padding it to a multiple of the devices: every device orthogonalizes whole
+  matrices, so the iteration holds no collective; one reshard takes the stack there and the
+  results back to their leaves' shardings.
 
   >>> import jax.numpy as jnp
   >>> from optirs_jax.orthogonal import MuonDimensionNumbers, coefficients, orthogonalize
@@ -223,20 +234,78 @@ def orthogonalize(leaves: Sequence[jax.Array], dims: Sequence, coeffs: jax.Array
   for i, (x, v) in enumerate(zip(leaves, views)):
     wide = v.shape[2:0:-1] if tall[i] else v.shape[1:]
     groups.setdefault((wide, jnp.dtype(x.dtype)), []).append(i)
+  mesh, usable = _mesh_of(leaves)
+  spread = _spread_axes(mesh, usable, ns_axes)
+  kw = dict(preconditioning=preconditioning, eps=eps, ns_dtype=ns_dtype, mesh=mesh,
+            spread=spread)
+  explicit = [a for a in spread if dict(zip(mesh.axis_names, mesh.axis_types))[a] ==
+              AxisType.Explicit]
   out: list = [None] * len(leaves)
   for idx in groups.values():
     mats = [views[i].to_matrices(leaves[i]) for i in idx]
     mats = [jnp.swapaxes(m, -1, -2) if tall[i] else m for m, i in zip(mats, idx)]
-    stack = mats[0] if len(mats) == 1 else jnp.concatenate(mats, axis=0)
-    done = orthogonalize_stack(stack, coeffs, ns_steps, preconditioning=preconditioning,
-                               eps=eps, ns_dtype=ns_dtype)
-    start = 0
-    for i in idx:
-      n = views[i].shape[0]
-      part = done[start:start + n]
+    run = lambda mats: _orthogonalize_group(mats, coeffs, ns_steps, **kw)
+    if explicit:  # GSPMD places the stack (Explicit axes would refuse its concatenation)
+      run = jax.sharding.auto_axes(run, axes=tuple(explicit),
+                                   out_sharding=[jax.typeof(m).sharding for m in mats])
+    for i, part in zip(idx, run(mats)):
       out[i] = views[i].from_matrices(jnp.swapaxes(part, -1, -2) if tall[i] else part)
-      start += n
   return out
+
+
+def _orthogonalize_group(mats, coeffs, ns_steps, *, mesh, spread, **kw):
+  """Matrices of one shape as one chain: concatenated, spread over ``spread`` (whole
+  matrices per device), orthogonalized, and split again."""
+  stack = mats[0] if len(mats) == 1 else jnp.concatenate(mats, axis=0)
+  batch = stack.shape[0]
+  if spread:
+    stack = _spread(stack, mesh, spread)
+  done = orthogonalize_stack(stack, coeffs, ns_steps, **kw)[:batch]
+  bounds = np.cumsum([0] + [m.shape[0] for m in mats])
+  return [done[a:b] for a, b in itertools.pairwise(bounds)]
+
+
+def _mesh_of(leaves):
+  """The context mesh, or else the mesh of the first leaf sharded on Explicit axes (its
+  Auto axes dropped: without a context mesh no constraint can name them)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if not mesh.empty:
+    return mesh, mesh.axis_names
+  for x in leaves:
+    m = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+    if m is not None and not m.empty and AxisType.Explicit in m.axis_types:
+      return m, tuple(a for a, t in zip(m.axis_names, m.axis_types) if t == AxisType.Explicit)
+  return mesh, ()
+
+
+def _spread_axes(mesh, usable, ns_axes) -> tuple[str, ...]:
+  """The mesh axes (of more than one device) to spread stacks over."""
+  if ns_axes is None or not usable:
+    return ()
+  kinds = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
+  if ns_axes == "auto":
+    axes = [a for a in usable if kinds[a] != AxisType.Manual]
+  else:
+    axes = [ns_axes] if isinstance(ns_axes, str) else list(ns_axes)
+    unknown = [a for a in axes if a not in usable]
+    if unknown:
+      raise ValueError(f"ns_axes={ns_axes!r} names {unknown}, not axes of the mesh "
+                       f"{dict(mesh.shape)} it can spread over; valid: 'auto', None or names "
+                       f"among {tuple(usable)}")
+    if any(kinds[a] == AxisType.Manual for a in axes):
+      raise ValueError(f"ns_axes={ns_axes!r}: inside shard_map the leaves are the device's "
+                       "shards; spread over axes that are not manual")
+  return tuple(a for a in axes if mesh.shape[a] > 1)
+
+
+def _spread(stack, mesh, axes):
+  """``stack`` padded with zero matrices to a multiple of the devices of ``axes`` and
+  constrained to be sharded over them by matrix."""
+  n = math.prod(mesh.shape[a] for a in axes)
+  if stack.shape[0] % n:
+    pad = n - stack.shape[0] % n
+    stack = jnp.concatenate([stack, jnp.zeros((pad, *stack.shape[1:]), stack.dtype)])
+  return jax.lax.with_sharding_constraint(stack, P(axes if len(axes) > 1 else axes[0]))
 
 
 def flops(shape: Sequence[int], ns_steps: int, dims=None) -> int:
