@@ -12,6 +12,11 @@ hyper-parameters and schedule; they differ in the optimizer and in the path its 
 * ``optax-bf16-master`` and ``bf16-master``: bfloat16 params, float32 master weights and
   dynamic loss scaling (:mod:`optirs_jax.mixed_precision`) around ``optax.adamw`` (the
   contract path) and ``optirs_jax.adamw`` (the fused apply).
+* ``muon``: ``optirs_jax.muon`` with bfloat16 Newton–Schulz for the blocks' matrices and
+  AdamW for the embeddings, norms and biases (Muon's learning rate 0.02 on the same
+  schedule's shape), through ``nnx.Optimizer``. (``optax.contrib.muon`` does not take a
+  callable of an ``nnx.State`` with ``None`` entries: its labels fail on the Variables'
+  ``.value`` nodes; ``benchmarks/muon_step.py`` compares the two on plain trees.)
 
 A :class:`Run` holds a configuration's state and its jitted steps (state donated).
 """
@@ -67,6 +72,30 @@ def _mixed(module, h: Hyper):
   return mp.with_loss_scaling(mp.master_weights(_adamw(module, h)), mp.DynamicLossScale(2.0**15))
 
 
+MUON_LEARNING_RATE = 0.02
+
+
+def _hidden_matrices(params):
+  """Muon's leaves: the blocks' 2-D weights (not the embeddings, whose rows are looked up)."""
+  from optirs_jax.orthogonal import MuonDimensionNumbers
+
+  def dims(path, x):
+    name = jax.tree_util.keystr(path)
+    hidden = x.ndim == 2 and "wte" not in name and "wpe" not in name
+    return MuonDimensionNumbers() if hidden else None
+
+  return jax.tree_util.tree_map_with_path(dims, params)
+
+
+def _muon(make, h: Hyper, **kw):
+  scale = MUON_LEARNING_RATE / h.learning_rate
+  schedule = h.schedule()
+  return optax.chain(optax.clip_by_global_norm(h.clip), make(
+      lambda count: scale * schedule(count), weight_decay=h.weight_decay,
+      adam_learning_rate=schedule, adam_b1=h.b1, adam_b2=h.b2,
+      adam_weight_decay=h.weight_decay, muon_weight_dimension_numbers=_hidden_matrices, **kw))
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
   """How one configuration steps: through an ``nnx.Optimizer`` class, or functional with a
@@ -90,6 +119,8 @@ CONFIGS = {
                                 lambda h: _mixed(optax, h), param_dtype="bfloat16"),
     "bf16-master": Config("optirs_jax.adamw, bf16 params + f32 master + loss scaling, fused",
                           lambda h: _mixed(optirs_jax, h), param_dtype="bfloat16"),
+    "muon": Config("optirs_jax.muon (bf16 Newton-Schulz), nnx.Optimizer",
+                   lambda h: _muon(optirs_jax.muon, h, ns_dtype="bfloat16"), nnx.Optimizer),
 }
 
 
