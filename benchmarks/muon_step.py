@@ -29,10 +29,10 @@ from optirs_jax.orthogonal import flops
 from optirs_jax.planning.tensor_cores import gemm
 
 CONFIGS = {
-    "optax.contrib.muon": lambda: contrib.muon(0.02),
-    "optirs muon": lambda: optirs_jax.muon(0.02),
-    "optirs muon ns bf16": lambda: optirs_jax.muon(0.02, ns_dtype=jnp.bfloat16),
-    "optax.adamw": lambda: optax.adamw(1e-3),
+    "optax-muon": lambda: contrib.muon(0.02),  # optax.contrib.muon
+    "muon": lambda: optirs_jax.muon(0.02),  # optirs_jax.muon, the momentum's precision
+    "muon-bf16": lambda: optirs_jax.muon(0.02, ns_dtype=jnp.bfloat16),
+    "optax-adamw": lambda: optax.adamw(1e-3),
 }
 
 
@@ -83,7 +83,7 @@ def main(argv=None):
   print("# matmul peak (8192^3): " + ", ".join(f"{k} {v:.1f} TFLOP/s" for k, v in peaks.items()),
         flush=True)
   rows = []
-  print(f"{'config':<22}{'first s':>9}{'busy ms':>10}{'summed ms':>11}{'kernels':>9}"
+  print(f"{'config':<14}{'first s':>9}{'busy ms':>10}{'summed ms':>11}{'kernels':>9}"
         f"{'x optax':>9}{'NS TFLOP/s':>12}", flush=True)
   base = None
   for name in args.configs.split(","):
@@ -91,7 +91,7 @@ def main(argv=None):
       sys.exit(f"unknown config {name!r}; valid: {list(CONFIGS)}")
     first, prof = measure(CONFIGS[name](), params, grads, args.steps)
     busy = prof["busy_s"]
-    base = busy if name == "optax.contrib.muon" else base
+    base = busy if name == "optax-muon" else base
     tflops = ns_flops / busy / 1e12 if busy and "muon" in name else None
     row = dict(config=name, first_s=first, busy_ms=busy and busy * 1e3,
                summed_ms=prof["summed_s"] and prof["summed_s"] * 1e3,
@@ -99,7 +99,7 @@ def main(argv=None):
                kernels=sum(c for _, _, c in prof["top"]) or None, top=prof["top"][:8])
     rows.append(row)
     fmt = lambda v, f: format(v, f) if v is not None else format("-", ">" + f.split(".")[0])
-    print(f"{name:<22}{first:9.2f}{fmt(row['busy_ms'], '10.3f')}{fmt(row['summed_ms'], '11.3f')}"
+    print(f"{name:<14}{first:9.2f}{fmt(row['busy_ms'], '10.3f')}{fmt(row['summed_ms'], '11.3f')}"
           f"{fmt(row['kernels'], '9.0f')}"
           f"{fmt(row['x_optax'], '9.2f')}{fmt(tflops, '12.1f')}", flush=True)
     if args.json:  # after each row: a run cut short keeps what it measured
