@@ -37,7 +37,9 @@ def leaf_policy(request):
 @pytest.mark.parametrize("name", NAMES)
 def test_triton_matches_reference_on_large_ragged_tree(name, leaf_policy):
   kw = KW.get(name, {})
-  gpu = getattr(optirs_jax, name)(1e-3, **kw, backend="auto", executor_options=leaf_policy)
+  # backend="pallas": the update path too runs every leaf in the kernels ("auto" hands an
+  # elementwise rule's leaves to XLA there, ExecutorOptions.updates_on_reference).
+  gpu = getattr(optirs_jax, name)(1e-3, **kw, backend="pallas", executor_options=leaf_policy)
   ref = getattr(optirs_jax, name)(1e-3, **kw, backend="jnp")
   params, grads = cases.ragged_tree(0, shapes=BIG), cases.ragged_tree(1, shapes=BIG)
   s, rs = gpu.init(params), ref.init(params)
@@ -50,8 +52,7 @@ def test_triton_matches_reference_on_large_ragged_tree(name, leaf_policy):
                and REGISTRY[name].spec.reduction.fields else dict(rtol=1e-6, atol=1e-9))
   chex.assert_trees_all_close(u, ru, rtol=1e-6, atol=1e-9)
   chex.assert_trees_all_close(s, rs, **state_tol)
-  # The fused apply runs the large leaves in the kernel, in place (the update path hands
-  # them to XLA for all but LAMB).
+  # The fused apply, in place.
   p, s = jax.jit(lambda g, s, p: optirs_jax.apply(gpu, g, s, p))(grads, gpu.init(params), params)
   ru, rs = jax.jit(ref.update)(grads, ref.init(params), params)
   chex.assert_trees_all_close(p, jax.tree.map(lambda a, b: a + b, params, ru), rtol=1e-6,
@@ -64,9 +65,8 @@ def test_compiled_gpu_step_runs_the_triton_kernel(name):
   opt = getattr(optirs_jax, name)(1e-3, **KW.get(name, {}))
   params = cases.ragged_tree(0)
 
-  def step(p, s):
-    u, s = opt.update(jax.tree.map(jnp.cos, p), s, p)
-    return optax.apply_updates(p, u), s
+  def step(p, s):  # the fused apply (the contract path leaves elementwise rules to XLA)
+    return optirs_jax.apply(opt, jax.tree.map(jnp.cos, p), s, p)
 
   text = jax.jit(step, donate_argnums=(0, 1)).lower(params, opt.init(params)).compile().as_text()
   assert "triton" in text.lower()
@@ -183,7 +183,7 @@ def test_loss_scaled_contract_path_on_the_kernels_equals_the_reference(finite,
     grads["w"] = grads["w"].at[3, 5].set(jnp.inf)
   make = lambda backend: mp.with_loss_scaling(mp.master_weights(
       optirs_jax.adamw(1e-3, backend=backend)), mp.DynamicLossScale(2.0**8))
-  gpu, ref = make("auto"), make("jnp")
+  gpu, ref = make("pallas"), make("jnp")  # "auto" leaves this path to XLA
   got = _contract(gpu)(params, gpu.init(params), grads)
   want = _contract(ref)(params, ref.init(params), grads)
   chex.assert_trees_all_close(got, want, rtol=1e-6, atol=1e-7)
