@@ -86,8 +86,10 @@ def scale_by_muon(ns_coeffs: Any = PRESETS["standard"], ns_steps: int = 5,
     \text{ if adaptive}]
 
   Args:
-    ns_coeffs, ns_steps, beta, eps, mu_dtype, nesterov, adaptive, preconditioning,
-      weight_dimension_numbers: as in :func:`muon`.
+    ns_coeffs, ns_steps, beta, eps, mu_dtype: as in :func:`muon`.
+    nesterov, adaptive, preconditioning: as in :func:`muon`.
+    weight_dimension_numbers: a tree of :class:`MuonDimensionNumbers`, a callable of the
+      updates giving one, or ``None`` (every leaf a 2-D matrix).
     ns_dtype: the Newton–Schulz products' dtype (``None``: the momentum's, as optax).
     ns_axes: the mesh axes the stacked matrices are spread over, whole, before the
       iteration (:func:`~optirs_jax.orthogonal.orthogonalize`).
