@@ -113,3 +113,15 @@ def test_master_weights_with_loss_scaling_compile_through_xla_for_an_h200(
   text = _compile(lambda p, s, g: optirs_jax.apply(tx, g, s, p), params,
                   tx.init(params), params)
   assert text.count(f'custom_call_target="{TRITON}"') == 3
+
+
+@pytest.mark.parametrize("fmt", ["dynamic8", "fp8"])
+def test_8bit_adam_kernels_compile_for_an_h200_in_both_formats(h200, fmt):
+  # The fp8 codes are a float32 -> float8_e4m3fn conversion inside the Triton kernel
+  # (Pallas's Triton lowering allows it from compute capability 8.9).
+  opt = optirs_jax.adamw8bit(1e-3, state_quantization=fmt, min_8bit_size=0)
+  params = {"w": jnp.zeros((64, 512))}
+  text = _compile(lambda p, s, g: optirs_jax.apply(opt, g, s, p), params,
+                  opt.init(params), params)
+  assert TRITON in text
+  assert ("f8e4m3fn" in text) == (fmt == "fp8")

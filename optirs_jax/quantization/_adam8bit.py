@@ -19,9 +19,12 @@ from optirs_jax.pallas.op import hyper_vector, read_hyper
 from optirs_jax.pallas.options import ExecutorOptions
 from optirs_jax.quantization import _kernel8
 from optirs_jax.quantization._blockwise import (
+  FP8,
   Quantized8bit,
   as_row_blocks,
   check_block_size,
+  check_format,
+  format_of,
   from_row_blocks,
   num_blocks,
 )
@@ -78,14 +81,20 @@ def _quantized(x, min_8bit_size: int) -> bool:
   return x.ndim > 0 and x.size >= max(min_8bit_size, 1)
 
 
-def _init_leaf(x, block_size: int, min_8bit_size: int):
+def _code_dtypes(fmt: str):
+  """The codes' dtypes of ``(mu, nu)`` in ``fmt``."""
+  return (FP8, FP8) if fmt == "fp8" else (jnp.int8, jnp.uint8)
+
+
+def _init_leaf(x, block_size: int, min_8bit_size: int, fmt: str):
   """``(mu codes, mu scales, nu codes, nu scales)`` of one leaf. Separate buffers for every
   field: a step that donates the state may not see one twice."""
   if not _quantized(x, min_8bit_size):
     return (jnp.zeros_like(x, jnp.float32), optax.MaskedNode(),
             jnp.zeros_like(x, jnp.float32), optax.MaskedNode())
   scales = lambda: _scales_like(x, block_size)
-  return jnp.zeros_like(x, jnp.int8), scales(), jnp.zeros_like(x, jnp.uint8), scales()
+  mu_dt, nu_dt = _code_dtypes(fmt)
+  return jnp.zeros_like(x, mu_dt), scales(), jnp.zeros_like(x, nu_dt), scales()
 
 
 def _scales_like(x, block_size: int) -> jax.Array:
@@ -106,7 +115,7 @@ def _scales_like(x, block_size: int) -> jax.Array:
 
 
 def _quantized_local(hvec, leaves, *, block_sizes, platform, l2, decoupled, fused, tiling,
-                     out_dtypes):
+                     out_dtypes, fmt):
   """8-bit leaves ``(p, g, mu codes, mu scales, nu codes, nu scales)`` on this device's
   shards: ``(out, mu codes, mu scales, nu codes, nu scales)`` each. A kernel where the
   (local) last axis is a whole number of blocks and a kernel platform runs; the jnp math on
@@ -114,7 +123,7 @@ def _quantized_local(hvec, leaves, *, block_sizes, platform, l2, decoupled, fuse
   outs = []
   h = read_hyper(hvec, _kernel8.HYPER)
   for (p, g, muc, mua, nuc, nua), bs, dts in zip(leaves, block_sizes, out_dtypes):
-    kw = dict(l2=l2, decoupled=decoupled, fused=fused)
+    kw = dict(l2=l2, decoupled=decoupled, fused=fused, fmt=fmt)
     if platform != "jnp" and p.shape[-1] % bs == 0:
       res = _kernel8.leaf_step(hvec, p.reshape(-1, bs), g.reshape(-1, bs),
                                muc.reshape(-1, bs), mua.reshape(-1, 1), nuc.reshape(-1, bs),
@@ -150,15 +159,17 @@ def _step_leaves(hvec, leaves, *, platform, l2, decoupled, fused, tiling):
     results[i] = (((p32 + u) if fused else u).astype(p.dtype if fused else g.dtype), m, v)
   if not q_idx:
     return results
-  # Leaves of one block size share a call (in practice all of them).
-  for bs in sorted({leaves[i][2].block_size for i in q_idx}):
-    idx = [i for i in q_idx if leaves[i][2].block_size == bs]
+  # Leaves of one block size and format share a call (in practice all of them).
+  kinds = lambda i: (leaves[i][2].block_size, format_of(leaves[i][2].codes))
+  for bs, fmt in sorted({kinds(i) for i in q_idx}):
+    idx = [i for i in q_idx if kinds(i) == (bs, fmt)]
     operands = [(leaves[i][0], leaves[i][1], *leaves[i][2], *leaves[i][3]) for i in idx]
-    out_dtypes = [((p.dtype if fused else g.dtype), jnp.int8, jnp.float32, jnp.uint8,
-                   jnp.float32) for p, g, *_ in operands]
+    mu_dt, nu_dt = _code_dtypes(fmt)
+    out_dtypes = [((p.dtype if fused else g.dtype), mu_dt, jnp.float32, nu_dt, jnp.float32)
+                  for p, g, *_ in operands]
     local = functools.partial(_quantized_local, block_sizes=[bs] * len(idx), platform=platform,
                               l2=l2, decoupled=decoupled, fused=fused, tiling=tiling,
-                              out_dtypes=out_dtypes)
+                              out_dtypes=out_dtypes, fmt=fmt)
     outs, _ = sharding.run_local(local, hvec, operands, out_dtypes, 0,
                                  blocked=sharding.Blocked(bs, _SCALES_IN, _SCALES_OUT))
     for i, (out, mc, ma, nc, na) in zip(idx, outs):
@@ -201,7 +212,7 @@ def _as_trees(treedef, moments) -> Quantized8bit:
 
 
 def _make(fn: str, learning_rate_, b1, b2, eps, weight_decay, block_size, min_8bit_size,
-          backend, executor_options, *, decoupled: bool
+          backend, executor_options, *, decoupled: bool, fmt: str = "dynamic8"
           ) -> optax.GradientTransformationExtraArgs:
   check_number_or_schedule(fn, "learning_rate", learning_rate_)
   check_unit_interval(fn, "b1", b1)
@@ -209,6 +220,7 @@ def _make(fn: str, learning_rate_, b1, b2, eps, weight_decay, block_size, min_8b
   check_number(fn, "eps", eps)
   check_number_or_schedule(fn, "weight_decay", weight_decay)
   backend = check_backend(fn, backend)
+  fmt = check_format(fn, fmt)
   tiling = check_executor_options(fn, executor_options).quantized_tiling
   # Structural: checked when concrete. The step reads the layout from the state, so a
   # value optax.inject_hyperparams traces there is never needed.
@@ -222,7 +234,7 @@ def _make(fn: str, learning_rate_, b1, b2, eps, weight_decay, block_size, min_8b
     leaves, _, treedef = flatten(fn, "params", params)
     bs = check_block_size(fn, BLOCK_SIZE if block_size is None else block_size)
     min_size = _structural_int(fn, "min_8bit_size", min_8bit_size, MIN_8BIT_SIZE, 0)
-    parts = list(zip(*(_init_leaf(x, bs, min_size) for x in leaves))) or [()] * 4
+    parts = list(zip(*(_init_leaf(x, bs, min_size, fmt) for x in leaves))) or [()] * 4
     tree = lambda k: jax.tree.unflatten(treedef, list(parts[k]))
     return Adam8bitState(jnp.zeros([], jnp.int32), Quantized8bit(tree(0), tree(1)),
                          Quantized8bit(tree(2), tree(3)))
@@ -286,8 +298,8 @@ def _make(fn: str, learning_rate_, b1, b2, eps, weight_decay, block_size, min_8b
 def adam8bit(learning_rate: optax.ScalarOrSchedule, b1: jax.typing.ArrayLike = 0.9,
              b2: jax.typing.ArrayLike = 0.999, eps: jax.typing.ArrayLike = 1e-8,
              weight_decay: optax.ScalarOrSchedule = 0.0, *, block_size: int | None = None,
-             min_8bit_size: int | None = None, backend: str = "auto",
-             executor_options: ExecutorOptions | None = None
+             min_8bit_size: int | None = None, state_quantization: str = "dynamic8",
+             backend: str = "auto", executor_options: ExecutorOptions | None = None
              ) -> optax.GradientTransformationExtraArgs:
   r"""Adam whose moments are stored in 8 bits, block-wise quantized (Dettmers et al., 2022).
 
@@ -325,6 +337,11 @@ def adam8bit(learning_rate: optax.ScalarOrSchedule, b1: jax.typing.ArrayLike = 0
       ``None``: 256). It shapes the state, so ``optax.inject_hyperparams`` leaves the
       default alone.
     min_8bit_size: leaves with fewer elements keep float32 moments (``None``: 4096).
+    state_quantization: the codes' format: ``"dynamic8"`` (the dynamic maps above) or
+      ``"fp8"`` (``float8_e4m3fn`` of 448 times the element over its block's absmax, one
+      hardware conversion each way on GPUs of compute capability 8.9 or newer; both
+      moments signed, 3 mantissa bits: coarser than the dynamic map near a block's
+      absmax, finer far below it).
     backend: ``"auto"``, ``"jnp"`` or ``"pallas"``.
     executor_options: the kernel's geometry (``ExecutorOptions.quantized_tiling``).
 
@@ -340,14 +357,15 @@ def adam8bit(learning_rate: optax.ScalarOrSchedule, b1: jax.typing.ArrayLike = 0
     0.9990000128746033
   """
   return _make("adam8bit", learning_rate, b1, b2, eps, weight_decay, block_size,
-               min_8bit_size, backend, executor_options, decoupled=False)
+               min_8bit_size, backend, executor_options, decoupled=False,
+               fmt=state_quantization)
 
 
 def adamw8bit(learning_rate: optax.ScalarOrSchedule, b1: jax.typing.ArrayLike = 0.9,
               b2: jax.typing.ArrayLike = 0.999, eps: jax.typing.ArrayLike = 1e-8,
               weight_decay: optax.ScalarOrSchedule = 1e-4, *, block_size: int | None = None,
-              min_8bit_size: int | None = None, backend: str = "auto",
-              executor_options: ExecutorOptions | None = None
+              min_8bit_size: int | None = None, state_quantization: str = "dynamic8",
+              backend: str = "auto", executor_options: ExecutorOptions | None = None
               ) -> optax.GradientTransformationExtraArgs:
   r""":func:`adam8bit` with decoupled weight decay (as ``optax.adamw``):
   :math:`u = -\eta\,(\hat m / (\sqrt{\hat v} + \epsilon) + \lambda p)`.
@@ -364,7 +382,8 @@ def adamw8bit(learning_rate: optax.ScalarOrSchedule, b1: jax.typing.ArrayLike = 
     0.25390625
   """
   return _make("adamw8bit", learning_rate, b1, b2, eps, weight_decay, block_size,
-               min_8bit_size, backend, executor_options, decoupled=True)
+               min_8bit_size, backend, executor_options, decoupled=True,
+               fmt=state_quantization)
 
 
 def state_nbytes(state) -> int:

@@ -1,5 +1,12 @@
 """Block-wise 8-bit arrays: one code per element, one float32 absmax per block of a row.
 
+Two formats (``STATE_QUANTIZATIONS``): ``"dynamic8"``, the codes of Dettmers et al.'s
+dynamic tree maps (:mod:`~optirs_jax.quantization._codes`: ``int8`` for signed arrays,
+``uint8`` for non-negative ones), and ``"fp8"``, each element divided by its block's absmax
+and stored as ``float8_e4m3fn`` times 448 (its largest finite value; decoded as the code
+times ``float32(1 / 448)`` times the absmax), torchao's ``AdamWFp8`` format; one hardware
+conversion each way on GPUs of compute capability 8.9 or newer.
+
 The blocks run along the last axis: block ``j`` of a row holds its elements
 ``[j * block_size, (j + 1) * block_size)`` (the last block of a row may be shorter). So the
 codes have the array's own shape, and the scales the shape of its leading axes and one
@@ -20,6 +27,22 @@ import optax
 
 from optirs_jax.quantization import _codes
 
+STATE_QUANTIZATIONS = ("dynamic8", "fp8")
+FP8 = jnp.float8_e4m3fn
+FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
+
+
+def check_format(fn: str, fmt) -> str:
+  """``fmt`` if it is one of :data:`STATE_QUANTIZATIONS`, else a ValueError naming it."""
+  if fmt not in STATE_QUANTIZATIONS:
+    raise ValueError(f"{fn}: state_quantization={fmt!r} is not one of {STATE_QUANTIZATIONS}")
+  return fmt
+
+
+def format_of(codes) -> str:
+  """The format of ``codes`` by their dtype."""
+  return "fp8" if codes.dtype == FP8 else "dynamic8"
+
 
 def num_blocks(last: int, block_size: int) -> int:
   """Blocks of ``block_size`` in a row of ``last`` elements (at least one)."""
@@ -31,9 +54,10 @@ class Quantized8bit(NamedTuple):
   of them, as two trees.
 
   ``codes`` has the array's shape, ``int8`` (the signed map) or ``uint8`` (the unsigned
-  map, for non-negative arrays); ``absmax`` is ``float32`` of shape
-  ``shape[:-1] + (num_blocks,)``, the blocks running along the last axis. The value of
-  element ``[..., i]`` is ``decode(codes[..., i]) * absmax[..., i // block_size]``.
+  map, for non-negative arrays), or ``float8_e4m3fn`` (the ``"fp8"`` format); ``absmax``
+  is ``float32`` of shape ``shape[:-1] + (num_blocks,)``, the blocks running along the last
+  axis. The value of element ``[..., i]`` is ``decode(codes[..., i]) * absmax[..., i //
+  block_size]``, with ``decode(c) = float32(c) * float32(1 / 448)`` for fp8 codes.
 
   An optimizer's moment is one of two trees shaped like the params (``codes``, and
   ``absmax`` with ``optax.MaskedNode()`` where a leaf is kept in float32, its ``codes``
@@ -94,18 +118,28 @@ def from_row_blocks(blocks: jax.Array, shape: tuple[int, ...]) -> jax.Array:
   return flat if flat.shape[-1] == shape[-1] else flat[..., :shape[-1]]
 
 
-def quantize_blocks(x: jax.Array, signed: bool) -> tuple[jax.Array, jax.Array]:
-  """``(codes, absmax[..., None])`` of float32 blocks ``x`` (``[..., block_size]``)."""
+def quantize_blocks(x: jax.Array, signed: bool, fmt: str = "dynamic8"
+                    ) -> tuple[jax.Array, jax.Array]:
+  """``(codes, absmax[..., None])`` of float32 blocks ``x`` (``[..., block_size]``):
+  ``a = x / absmax``, then the nearest code of the signed or unsigned dynamic map, or
+  ``float8_e4m3fn(a * 448)`` (rounded to nearest even)."""
   absmax = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
   safe = jnp.where(absmax > 0, absmax, jnp.float32(1.0))
   a = x / safe
+  if fmt == "fp8":
+    return (a * jnp.float32(FP8_MAX)).astype(FP8), absmax
   codes = _codes.encode_signed(a) if signed else _codes.encode_unsigned(a)
   return codes, absmax
 
 
 def dequantize_blocks(codes: jax.Array, absmax: jax.Array) -> jax.Array:
   """float32 values of ``codes`` (``[..., block_size]``) with ``absmax`` (``[..., 1]``)."""
-  mag = _codes.decode_signed(codes) if codes.dtype == jnp.int8 else _codes.decode_unsigned(codes)
+  if codes.dtype == FP8:  # a product, not a division: compilers keep it as written
+    mag = codes.astype(jnp.float32) * jnp.float32(1 / FP8_MAX)
+  elif codes.dtype == jnp.int8:
+    mag = _codes.decode_signed(codes)
+  else:
+    mag = _codes.decode_unsigned(codes)
   return mag * absmax
 
 
@@ -123,11 +157,12 @@ def check_block_size(fn: str, block_size) -> int:
   return value
 
 
-def quantize_blockwise(x: jax.Array, *, signed: bool = True, block_size: int = 256
-                       ) -> Quantized8bit:
+def quantize_blockwise(x: jax.Array, *, signed: bool = True, block_size: int = 256,
+                       state_quantization: str = "dynamic8") -> Quantized8bit:
   """``x`` as :class:`Quantized8bit`: each block of ``block_size`` elements along the last
   axis is divided by its absolute maximum and each element stored as the nearest code of
-  the signed (``int8``) or unsigned (``uint8``, for non-negative ``x``) dynamic map.
+  the signed (``int8``) or unsigned (``uint8``, for non-negative ``x``) dynamic map; with
+  ``state_quantization="fp8"``, as ``float8_e4m3fn`` of 448 times it (``signed`` unused).
 
   >>> import jax.numpy as jnp
   >>> from optirs_jax.quantization import quantize_blockwise
@@ -136,11 +171,16 @@ def quantize_blockwise(x: jax.Array, *, signed: bool = True, block_size: int = 2
   (dtype('int8'), Array([1.], dtype=float32))
   >>> [round(v, 4) for v in q.dequantize().tolist()]
   [0.5008, -1.0, 0.0009, 0.0]
+  >>> q8 = quantize_blockwise(jnp.array([0.5, -1.0, 0.001, 0.0]), block_size=4,
+  ...                         state_quantization="fp8")
+  >>> q8.codes.dtype, [round(v, 4) for v in q8.dequantize().tolist()]
+  (dtype(float8_e4m3fn), [0.5, -1.0, 0.001, 0.0])
   """
   bs = check_block_size("quantize_blockwise", block_size)
   x = jnp.asarray(x, jnp.float32)
   if x.ndim == 0 or x.size == 0:
     raise ValueError(f"quantize_blockwise: x has shape {x.shape}; it needs at least one axis "
                      "and one element")
-  codes, absmax = quantize_blocks(as_row_blocks(x, bs), signed)
+  fmt = check_format("quantize_blockwise", state_quantization)
+  codes, absmax = quantize_blocks(as_row_blocks(x, bs), signed, fmt)
   return Quantized8bit(from_row_blocks(codes, x.shape), absmax[..., 0])

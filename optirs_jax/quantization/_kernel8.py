@@ -39,14 +39,16 @@ def adam_math(h: Hyper, p, g, mu, nu, *, l2: bool, decoupled: bool):
   return h.neg_lr * u, mu, nu
 
 
-def block_step(h: Hyper, p, g, muc, mua, nuc, nua, out_dtype, *, l2, decoupled, fused):
-  """Blocks in, blocks out: ``(out, mu codes, mu absmax, nu codes, nu absmax)``."""
+def block_step(h: Hyper, p, g, muc, mua, nuc, nua, out_dtype, *, l2, decoupled, fused,
+               fmt: str = "dynamic8"):
+  """Blocks in, blocks out: ``(out, mu codes, mu absmax, nu codes, nu absmax)``, the
+  moments requantized in ``fmt``."""
   p32 = p.astype(jnp.float32)
   u, mu, nu = adam_math(h, p32, g, dequantize_blocks(muc, mua), dequantize_blocks(nuc, nua),
                         l2=l2, decoupled=decoupled)
   out = (p32 + u) if fused else u
-  muc, mua = quantize_blocks(mu, signed=True)
-  nuc, nua = quantize_blocks(nu, signed=False)
+  muc, mua = quantize_blocks(mu, signed=True, fmt=fmt)
+  nuc, nua = quantize_blocks(nu, signed=False, fmt=fmt)
   return out.astype(out_dtype), muc, mua, nuc, nua
 
 
@@ -66,11 +68,13 @@ def rows_per_program(num_blocks: int, most: int) -> int:
 
 
 def leaf_step(hvec, p2, g2, muc, mua, nuc, nua, out_dtype, *, platform: str, l2: bool,
-              decoupled: bool, fused: bool, tiling: Tiling = DEFAULT_OPTIONS.quantized_tiling):
+              decoupled: bool, fused: bool, tiling: Tiling = DEFAULT_OPTIONS.quantized_tiling,
+              fmt: str = "dynamic8"):
   """One leaf's step on ``[num_blocks, block_size]`` views; ``mua``/``nua`` are
   ``[num_blocks, 1]``. ``platform``: ``"jnp"``, ``"cuda"`` or ``"interpret"``; ``tiling``:
-  quantization blocks per program (``block_rows``) and the Triton launch settings."""
-  kw = dict(l2=l2, decoupled=decoupled, fused=fused)
+  quantization blocks per program (``block_rows``) and the Triton launch settings; ``fmt``:
+  the codes' format."""
+  kw = dict(l2=l2, decoupled=decoupled, fused=fused, fmt=fmt)
   args = (p2, g2, muc, mua, nuc, nua)
   if platform == "interpret" and any(sharding.varying_axes(x) for x in args):
     platform = "jnp"  # Pallas' interpreter cannot check varying axes inside a shard_map
@@ -103,7 +107,7 @@ def leaf_step(hvec, p2, g2, muc, mua, nuc, nua, out_dtype, *, platform: str, l2:
       compiler_params=(pltriton.CompilerParams(num_warps=tiling.num_warps,
                                                num_stages=tiling.num_stages)
                        if platform == "cuda" else None),
-      name="adam8bit",
+      name="adam8bit" if fmt == "dynamic8" else "adam_fp8",
   )(hvec, *args)
   start = programs * rows
   if start == nb:
