@@ -455,6 +455,13 @@ def _muon_step(tx):
   return jax.jit(step)
 
 
+def _assert_placed_and_equal(new, params, ref):
+  """Each new leaf sharded as its param, and the unsharded step's numbers."""
+  for k, s in MUON_SHAPES.items():
+    assert new[k].sharding.is_equivalent_to(params[k].sharding, len(s)), k
+    np.testing.assert_allclose(new[k], ref[k], rtol=1e-5, atol=1e-6)
+
+
 def _collectives(hlo: str) -> dict:
   return {c: hlo.count(f"{c}(") for c in ("all-reduce", "all-gather", "all-to-all")}
 
@@ -482,9 +489,7 @@ def test_muon_fsdp_iterates_without_collectives_and_keeps_the_numbers():
                           .as_text())
   assert theirs["all-gather"] + theirs["all-reduce"] > 0, theirs
   ref, _ = _muon_step(tx)(plain, tx.init(plain), plain)
-  for k, s in MUON_SHAPES.items():
-    assert new[k].sharding.is_equivalent_to(params[k].sharding, len(s)), k
-    np.testing.assert_allclose(new[k], ref[k], rtol=1e-5, atol=1e-6)
+  _assert_placed_and_equal(new, params, ref)
 
 
 def test_muon_on_explicit_axes_spreads_without_a_context_mesh():
@@ -495,17 +500,14 @@ def test_muon_on_explicit_axes_spreads_without_a_context_mesh():
   tx = optirs_jax.muon(0.02)
   new, _ = _muon_step(tx)(params, tx.init(params), params)
   ref, _ = _muon_step(tx)(plain, tx.init(plain), plain)
-  for k, s in MUON_SHAPES.items():
-    assert new[k].sharding.is_equivalent_to(params[k].sharding, len(s)), k
-    np.testing.assert_allclose(new[k], ref[k], rtol=1e-5, atol=1e-6)
+  _assert_placed_and_equal(new, params, ref)
 
 
 def test_muon_inside_shard_map_with_replicated_params():
   # Data parallel inside a user's shard_map: every device holds whole matrices; the manual
   # axis is not spread over, and the numbers are the single device's.
   mesh = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Explicit,))
-  params = {k: jax.random.normal(jax.random.PRNGKey(i), s)
-            for i, (k, s) in enumerate(MUON_SHAPES.items())}
+  params, _ = _muon_inputs(mesh)  # the unplaced ones
   tx = optirs_jax.muon(0.02)
   state = tx.init(params)
   local = jax.shard_map(lambda p, s, g: _muon_step(tx)(p, s, g)[0], mesh=mesh,

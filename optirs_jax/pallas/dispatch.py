@@ -153,16 +153,14 @@ def _route(op: ElementwiseOp, leaf: Leaf, platform: str, options: ExecutorOption
   return "group" if groups else "packed"
 
 
-def _on_reference(op: ElementwiseOp, leaf: Leaf, platform: str, options: ExecutorOptions,
-                  updates_on_reference: bool) -> bool:
-  """Whether a leaf runs on the reference inside a kernel branch: every leaf on the
-  optax-contract path (``updates_on_reference``), dtypes the kernel does not take, inputs
-  of mixed dtypes (unless the op computes them in float32), empty leaves, the policies'
-  choices, and (for an indexed op) a leaf that would be packed with others and lose its
-  element index."""
-  if updates_on_reference or leaf[0].size == 0:
-    return True
-  if not all(x.dtype in KERNEL_DTYPES[platform] for x in leaf):
+def _on_reference(op: ElementwiseOp, leaf: Leaf, platform: str,
+                  options: ExecutorOptions) -> bool:
+  """Whether a leaf runs on the reference inside a kernel branch: dtypes the kernel does
+  not take, inputs of mixed dtypes (unless the op computes them in float32), empty leaves,
+  the policies' choices, and (for an indexed op) a leaf that would be packed with others
+  and lose its element index. (On the optax-contract path every leaf of an elementwise
+  rule is the reference's before any kernel branch: see :func:`execute`.)"""
+  if not all(x.dtype in KERNEL_DTYPES[platform] for x in leaf) or leaf[0].size == 0:
     return True
   if not op.mixed_on_kernels and len({x.dtype for x in leaf}) > 1:
     return True
@@ -173,7 +171,7 @@ def _on_reference(op: ElementwiseOp, leaf: Leaf, platform: str, options: Executo
   if op.leaf_hyper and _route(op, leaf, platform, options) != "group":
     return True  # per-leaf scalars: only the grouped kernel reads them
   if large:
-    return False
+    return False  # in place, or in the grouped launches
   if options.small_leaf_policy == "reference":  # a leaf the default plan would pack
     return True
   if op.indexed and not options.groups(platform):
@@ -252,12 +250,10 @@ def kernel_platform(op: ElementwiseOp, platform: str, options: ExecutorOptions) 
 
 
 def _kernels(op: ElementwiseOp, h: Mapping, leaves: Sequence[Leaf], platform: str,
-             options: ExecutorOptions, updates_on_reference: bool = False,
-             norm_axes: Sequence[str] = (), leaf_values=None):
+             options: ExecutorOptions, norm_axes: Sequence[str] = (), leaf_values=None):
   platform = kernel_platform(op, platform, options)
   leaf_values = _as_array(leaf_values)
-  on_ref = [_on_reference(op, leaf, platform, options, updates_on_reference)
-            for leaf in leaves]
+  on_ref = [_on_reference(op, leaf, platform, options) for leaf in leaves]
   outs: list = [None] * len(leaves)
   norms: list = [None] * len(leaves)
   if ref_idx := [i for i, r in enumerate(on_ref) if r]:
@@ -399,7 +395,7 @@ def execute(op: ElementwiseOp, h: Mapping, leaves: Sequence[Leaf], *, backend: s
                      f"have shape {want} (leaves, scalars per leaf); got {got}")
   ref = lambda h, leaves, leaf_values: reference(op, h, leaves, norm_axes, leaf_values)
   kernel = lambda platform: lambda h, leaves, leaf_values: _kernels(
-    op, h, leaves, platform, options, False, norm_axes, leaf_values)
+    op, h, leaves, platform, options, norm_axes, leaf_values)
   if backend == "jnp" or not leaves:
     return ref(h, leaves, leaf_values)
   targets = lowering_targets(leaves)

@@ -87,9 +87,8 @@ def adam(learning_rate: optax.ScalarOrSchedule, b1: jax.typing.ArrayLike = 0.9,
          b2: jax.typing.ArrayLike = 0.999, eps: jax.typing.ArrayLike = 1e-8,
          eps_root: jax.typing.ArrayLike = 0.0, mu_dtype: Any | None = None, *,
          nu_dtype: Any | None = None, nesterov: bool = False, stochastic_rounding: bool = False,
-         rounding_seed: int = 0, state_quantization: str | None = None,
-         quantization_block_size: int = 256, min_quantized_size: int = 4096,
-         backend: str = "auto", executor_options: ExecutorOptions | None = None
+         rounding_seed: int = 0, backend: str = "auto",
+         executor_options: ExecutorOptions | None = None
          ) -> optax.GradientTransformationExtraArgs:
   r"""Adam, fused into one kernel pass; the same numbers as :func:`optax.adam`.
 
@@ -119,13 +118,6 @@ def adam(learning_rate: optax.ScalarOrSchedule, b1: jax.typing.ArrayLike = 0.9,
       bfloat16 step still add up (:mod:`optirs_jax.rounding`).
     rounding_seed: the stochastic rounding's seed (its bits also depend on the step count
       and the element): a run is deterministic for a given seed.
-    state_quantization: ``None`` (float state), or the moments kept block-wise quantized in
-      8 bits: ``"dynamic8"`` (the dynamic tree maps) or ``"fp8"`` (``float8_e4m3fn``); the
-      step is then :func:`~optirs_jax.adam8bit`'s, whose state is
-      :class:`~optirs_jax.quantization.Adam8bitState` (``eps_root``, the dtypes,
-      ``nesterov`` and stochastic rounding keep their defaults there).
-    quantization_block_size: elements per quantization block (a power of two).
-    min_quantized_size: leaves with fewer elements keep float32 moments.
     backend: ``"auto"``, ``"jnp"`` or ``"pallas"`` (see :mod:`optirs_jax.backends`).
     executor_options: the kernels' layout and launch options
       (:class:`~optirs_jax.ExecutorOptions`; ``None``: the measured defaults).
@@ -148,30 +140,7 @@ def adam(learning_rate: optax.ScalarOrSchedule, b1: jax.typing.ArrayLike = 0.9,
     <https://arxiv.org/abs/1412.6980>`_, 2014; Dozat, `Incorporating Nesterov Momentum
     into Adam <https://openreview.net/pdf?id=OM0jvwB8jIp57ZJjtNEZ>`_, 2016.
   """
-  if state_quantization is not None:
-    return _quantized("adam", dict(locals(), weight_decay=0.0, mask=None), decoupled=False)
   return build(ADAM, dict(locals(), weight_decay=0.0, mask=None))
-
-
-# What the quantized step (optirs_jax.quantization's 8-bit Adam) does not take yet.
-_NOT_QUANTIZED = dict(eps_root=0.0, mu_dtype=None, nu_dtype=None, nesterov=False,
-                      stochastic_rounding=False, mask=None)
-
-
-def _quantized(name: str, args: dict, *, decoupled: bool):
-  """Adam or AdamW with 8-bit moments: :func:`optirs_jax.adam8bit`'s step."""
-  from optirs_jax.quantization._adam8bit import _make
-
-  fn = f"optirs_jax.{name}"
-  other = {k: args[k] for k, default in _NOT_QUANTIZED.items()
-           if args[k] is not default and args[k] != default}
-  if other:
-    raise ValueError(f"{fn}: state_quantization={args['state_quantization']!r} does not take "
-                     f"{other} yet; valid with it: the defaults {_NOT_QUANTIZED}")
-  return _make(fn, args["learning_rate"], args["b1"], args["b2"], args["eps"],
-               args["weight_decay"], args["quantization_block_size"],
-               args["min_quantized_size"], args["backend"], args["executor_options"],
-               decoupled=decoupled, fmt=args["state_quantization"])
 
 
 def adamw(learning_rate: optax.ScalarOrSchedule, b1: jax.typing.ArrayLike = 0.9,
@@ -179,9 +148,7 @@ def adamw(learning_rate: optax.ScalarOrSchedule, b1: jax.typing.ArrayLike = 0.9,
           eps_root: jax.typing.ArrayLike = 0.0, mu_dtype: Any | None = None,
           weight_decay: optax.ScalarOrSchedule = 1e-4, mask: Any = None, *,
           nu_dtype: Any | None = None, nesterov: bool = False,
-          stochastic_rounding: bool = False, rounding_seed: int = 0,
-          state_quantization: str | None = None, quantization_block_size: int = 256,
-          min_quantized_size: int = 4096, backend: str = "auto",
+          stochastic_rounding: bool = False, rounding_seed: int = 0, backend: str = "auto",
           executor_options: ExecutorOptions | None = None
           ) -> optax.GradientTransformationExtraArgs:
   r"""AdamW (decoupled weight decay), fused; the same numbers as :func:`optax.adamw`.
@@ -196,8 +163,6 @@ def adamw(learning_rate: optax.ScalarOrSchedule, b1: jax.typing.ArrayLike = 0.9,
   Args:
     learning_rate, b1, b2, eps, eps_root, mu_dtype, nu_dtype, nesterov: as in :func:`adam`.
     stochastic_rounding, rounding_seed, backend, executor_options: as in :func:`adam`.
-    state_quantization, quantization_block_size, min_quantized_size: as in :func:`adam`
-      (the quantized step is :func:`~optirs_jax.adamw8bit`'s).
     weight_decay: the decay :math:`\lambda`, a number or a schedule.
     mask: a tree of bools (or a prefix of the params tree), or a callable returning one,
       ``True`` where the decay applies. Adam itself applies to every leaf.
@@ -214,8 +179,6 @@ def adamw(learning_rate: optax.ScalarOrSchedule, b1: jax.typing.ArrayLike = 0.9,
     Loshchilov and Hutter, `Decoupled Weight Decay Regularization
     <https://arxiv.org/abs/1711.05101>`_, 2019.
   """
-  if state_quantization is not None:
-    return _quantized("adamw", locals(), decoupled=True)
   return build(ADAMW, locals())
 
 
