@@ -147,25 +147,3 @@ def test_an_unknown_format_is_named():
   with pytest.raises(ValueError, match=r"state_quantization='fp4' is not one of"):
     quantize_blockwise(jnp.ones(4), state_quantization="fp4")
 
-
-@pytest.mark.parametrize("fmt", ["dynamic8", "fp8"])
-@pytest.mark.parametrize("make, make8, kw", [(optirs_jax.adam, adam8bit, {}),
-                                             (optirs_jax.adamw, adamw8bit,
-                                              {"weight_decay": 0.01})])
-def test_adam_takes_state_quantization_as_the_8bit_step(make, make8, kw, fmt):
-  params = {"w": jax.random.normal(jax.random.PRNGKey(0), (16, 512)), "b": jnp.ones(7)}
-  grads = jax.tree.map(jnp.sin, params)
-  tx = make(1e-3, **kw, state_quantization=fmt, quantization_block_size=128,
-            min_quantized_size=1024)
-  ref = make8(1e-3, **kw, state_quantization=fmt, block_size=128, min_8bit_size=1024)
-  got, want = tx.update(grads, tx.init(params), params), ref.update(grads, ref.init(params),
-                                                                      params)
-  chex.assert_trees_all_equal(got, want)
-  assert got[1].mu.absmax["w"].shape == (16, 4)  # 128-element blocks
-
-
-def test_adam_names_what_its_quantized_step_does_not_take():
-  with pytest.raises(ValueError, match=r"does not take \{'nesterov': True\}"):
-    optirs_jax.adam(1e-3, nesterov=True, state_quantization="fp8")
-  with pytest.raises(ValueError, match=r"state_quantization='int8' is not one of"):
-    optirs_jax.adamw(1e-3, state_quantization="int8")
