@@ -13,7 +13,8 @@
 # (benchmarks/compile_profile.py, one process per "tree:optimizer:impl" of $COMPILE_PROFILES),
 # sass (benchmarks/xla_sass.py $SASS_ARGS: the SASS XLA compiles the fused apply into),
 # tests (the whole suite with the GPU visible, WORKERS pytest-xdist workers), bench (python
-# -m optirs_jax.bench $BENCH_ARGS), sparse (benchmarks/sparse_rows.py $SPARSE_ARGS), flax
+# -m optirs_jax.bench $BENCH_ARGS), sparse (benchmarks/sparse_rows.py $SPARSE_ARGS), bnb
+# (benchmarks/bnb_adam8bit.py: needs a bitsandbytes wheel in .whl/), flax
 # (benchmarks/flax_steps.py), muon (benchmarks/muon_step.py $MUON_ARGS), train (python -m
 # optirs_jax.bench.train $TRAIN_ARGS).
 set -uo pipefail
@@ -98,6 +99,10 @@ fi
 if has sparse; then
   timeout ${SPARSE_TIMEOUT:-200} python3 benchmarks/sparse_rows.py ${SPARSE_ARGS:-} 2>&1 \
     | grep -v "^WARNING\|^I0000\|^E0000" | tee -a "$OUT/sparse.txt"
+fi
+if has bnb; then
+  timeout ${BNB_TIMEOUT:-300} python3 benchmarks/bnb_adam8bit.py --json "$OUT/bnb.json" 2>&1 \
+    | grep -v "^WARNING\|^I0000\|^E0000" | tee -a "$OUT/bnb.txt"
 fi
 if has flax; then
   timeout ${FLAX_TIMEOUT:-300} python3 benchmarks/flax_steps.py 2>&1 \

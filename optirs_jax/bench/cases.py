@@ -165,6 +165,9 @@ OPTIMIZERS = {name: _entry_case(name, entry) for name, entry in REGISTRY.items()
     # optax equivalent: compare with the "adam" case of the same run.
     "adam8bit": Opt(16, lambda **o: optirs_jax.adam8bit(1e-3, **o), None),
     "adamw8bit": Opt(16, lambda **o: optirs_jax.adamw8bit(1e-3, **o), None),
+    # The same bytes with float8_e4m3fn codes (state_quantization="fp8").
+    "adamw8bit_fp8": Opt(16, lambda **o: optirs_jax.adamw8bit(
+        1e-3, state_quantization="fp8", **o), None),
 }
 
 JAX_IMPLS = ("optirs-apply", "optirs-update", "optax", "optax-flatten")
