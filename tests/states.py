@@ -51,3 +51,18 @@ STATES = [
 ]
 
 IDS = [s[0] for s in STATES]
+
+
+def assert_quantized_close(a, b, step_rtol: float) -> None:
+  """Two 8-bit moments (``Quantized8bit`` of one leaf or of trees) that two programs computed
+  from the same math, where XLA may contract a product and a sum into one fma in one program
+  and not in the other: the scales to float32 rounding, the codes equal almost everywhere,
+  and where not, one code step apart (``step_rtol``: the format's largest relative step)."""
+  import numpy as np
+  for x, y in zip(jax.tree.leaves(a.absmax), jax.tree.leaves(b.absmax)):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=0)
+  for x, y in zip(jax.tree.leaves(a.codes), jax.tree.leaves(b.codes)):
+    same = np.asarray(x).view(np.uint8) == np.asarray(y).view(np.uint8)
+    assert same.mean() > 0.999, same.mean()
+  for x, y in zip(jax.tree.leaves(a.dequantize()), jax.tree.leaves(b.dequantize())):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=step_rtol, atol=1e-12)

@@ -16,6 +16,7 @@ from optirs_jax.quantization import (
   quantize_blockwise,
   state_nbytes,
 )
+from tests.states import assert_quantized_close
 
 
 def _np_map(signed: bool) -> np.ndarray:
@@ -182,11 +183,12 @@ def test_pallas_kernel_equals_reference_and_apply_equals_update(shape):
     chex.assert_trees_all_equal(_moment(s_app, "mu", "w"), _moment(s_upd, "mu", "w"))
     chex.assert_trees_all_equal(_moment(s_app, "nu", "w"), _moment(s_upd, "nu", "w"))
     results[backend] = (u, s_upd)
-  chex.assert_trees_all_equal(results["jnp"][0]["w"], results["pallas"][0]["w"])
+  # Kernel and reference to float32 rounding: XLA may contract c1 * g + b1 * mu into one fma
+  # in one program and not in the other.
   for field in ("mu", "nu"):
-    chex.assert_trees_all_equal(_moment(results["jnp"][1], field, "w"),
-                                _moment(results["pallas"][1], field, "w"))
-  chex.assert_trees_all_close(results["jnp"], results["pallas"], rtol=1e-6, atol=0)
+    assert_quantized_close(_moment(results["jnp"][1], field, "w"),
+                           _moment(results["pallas"][1], field, "w"), step_rtol=0.15)
+  chex.assert_trees_all_close(results["jnp"][0], results["pallas"][0], rtol=1e-6, atol=0)
 
 
 def test_mlp_on_digits_ends_within_two_percent_of_float32_adam(standard_promotion):

@@ -18,6 +18,7 @@ from optirs_jax.quantization import (
   quantize_blockwise,
   state_nbytes,
 )
+from tests.states import assert_quantized_close
 
 F8 = ml_dtypes.float8_e4m3fn
 
@@ -104,10 +105,16 @@ def test_pallas_kernel_equals_reference():
     step = jax.jit(lambda p, s, g, tx=tx: optirs_jax.apply(tx, g, s, p))
     p, s = step(params, tx.init(params), grads)
     out[backend] = step(p, s, grads)
-  # The 8-bit state exactly; the params to float32 rounding (XLA may contract p + (-lr) * x
-  # into one fma in one program and not in the other).
-  chex.assert_trees_all_equal(out["jnp"][1], out["pallas"][1])
+  # The params to float32 rounding (XLA may contract p + (-lr) * x, or c1 * g + b1 * mu, into
+  # one fma in one program and not in the other). The 8-bit state exactly where the kernel
+  # is interpreted (the CPU); on a GPU the moments' last bit may differ, and so an absmax's,
+  # and a code at a rounding boundary by one step.
   chex.assert_trees_all_close(out["jnp"][0], out["pallas"][0], rtol=1e-6, atol=1e-9)
+  if jax.default_backend() == "cpu":
+    chex.assert_trees_all_equal(out["jnp"][1], out["pallas"][1])
+  for field in ("mu", "nu"):  # one e4m3 step: 2^-3
+    assert_quantized_close(getattr(out["jnp"][1], field), getattr(out["pallas"][1], field),
+                           step_rtol=0.13)
 
 
 def test_state_bytes_are_about_a_quarter_of_float32_adam(standard_promotion):

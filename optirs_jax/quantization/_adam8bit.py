@@ -133,7 +133,8 @@ def _quantized_local(hvec, leaves, *, block_sizes, platform, l2, decoupled, fuse
       continue
     p3, g3, mc3, nc3 = (as_row_blocks(x, bs) for x in (p, g, muc, nuc))
     out, mc, ma, nc, na = _kernel8.block_step(h, p3, g3, mc3, mua[..., None], nc3,
-                                              nua[..., None], dts[0], **kw)
+                                              nua[..., None], dts[0],
+                                              tables=_kernel8.tables_of(hvec), **kw)
     outs.append((from_row_blocks(out, p.shape), from_row_blocks(mc, p.shape), ma[..., 0],
                  from_row_blocks(nc, p.shape), na[..., 0]))
   return outs, [()] * len(leaves)
@@ -253,8 +254,9 @@ def _make(fn: str, learning_rate_, b1, b2, eps, weight_decay, block_size, min_8b
     count = state.count
     t = as_float(optax.safe_increment(count))
     neg_lr, _ = learning_rate(learning_rate_, count)
-    hvec = hyper_vector(dict(b1=b1, c1=1 - b1, b2=b2, c2=1 - b2, eps=eps, bc1=1 - b1**t,
-                             bc2=1 - b2**t, wd=wd, neg_lr=neg_lr), _kernel8.HYPER)
+    hvec = _kernel8.with_tables(hyper_vector(
+        dict(b1=b1, c1=1 - b1, b2=b2, c2=1 - b2, eps=eps, bc1=1 - b1**t, bc2=1 - b2**t, wd=wd,
+             neg_lr=neg_lr), _kernel8.HYPER))
     kw = dict(l2=has_wd and not decoupled, decoupled=has_wd and decoupled, fused=fused,
               tiling=tiling)
 

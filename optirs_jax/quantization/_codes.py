@@ -15,13 +15,17 @@ to 1e-7); the unsigned map stores ``m`` in a ``uint8`` (``K = 8``: eight decades
 second moment). Small magnitudes get fine steps, large ones coarse steps: the relative error
 is about the same everywhere.
 
-Decoding and encoding are arithmetic, not table lookups, so the same jnp functions run in the
-Pallas kernels (which cannot gather from a table) and in the reference. Encoding is the
-nearest code: the decade from comparisons with powers of ten, the fraction by rounding
-down, then the nearer of that code and its neighbour (ties keep the smaller magnitude).
+The map is defined by that arithmetic (:func:`decode_magnitude`); the coders use it as a
+table of its ``2^K`` magnitudes (:func:`magnitude_table`), which is how bitsandbytes runs it
+too: decoding is one lookup, encoding a binary search for the largest magnitude not above
+the value (``K`` lookups and compares), then the nearer of it and the next one (ties keep
+the smaller magnitude). The same jnp functions run in the reference (the table an array)
+and in the Pallas kernels (the table a ``Ref``, each lookup a gather from it).
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -31,87 +35,66 @@ SIGNED_BITS = 7  # magnitude bits of the signed map (one more bit is the sign)
 UNSIGNED_BITS = 8
 
 
-def _pow10_neg(e: jax.Array, bits: int) -> jax.Array:
-  """``10^-e`` for integer ``e`` in ``[0, bits)``, from exact float32 constants."""
-  out = jnp.ones(e.shape, jnp.float32)
-  for d in range(1, bits):
-    out = jnp.where(e == d, jnp.float32(10.0**-d), out)
-  return out
+@functools.lru_cache
+def _magnitudes(bits: int) -> np.ndarray:
+  m = np.arange(1 << bits)
+  k = np.array([max(int(v).bit_length() - 1, 0) for v in m])  # the highest set bit
+  p = 2.0**k
+  val = 10.0 ** -(bits - 1 - k) * (0.1 + 0.9 * (m - p + 0.5) / p)
+  val[0], val[-1] = 0.0, 1.0
+  return val.astype(np.float32)
 
 
-def _pow10(e: jax.Array, bits: int) -> jax.Array:
-  out = jnp.ones(e.shape, jnp.float32)
-  for d in range(1, bits):
-    out = jnp.where(e == d, jnp.float32(10.0**d), out)
-  return out
+def magnitude_table(bits: int) -> jax.Array:
+  """The ``2^bits`` magnitudes of the map indexed by their code (increasing), each the
+  formula above in float64 rounded once to float32: a constant, the same in every program.
+
+  >>> from optirs_jax.quantization._codes import magnitude_table
+  >>> t = magnitude_table(8)
+  >>> t.shape, [round(float(v), 10) for v in t[:2]], float(t[-1])
+  ((256,), [0.0, 5.5e-08], 1.0)
+  """
+  return jnp.asarray(_magnitudes(bits))
 
 
-def _magnitude(j: jax.Array, p: jax.Array, e: jax.Array, bits: int) -> jax.Array:
-  """``10^-e (0.1 + 0.9 (j + 1/2) / p)``: the one expression both coders use, so the
-  encoder's candidate values are bit for bit what the decoder returns."""
-  frac = jnp.float32(0.1) + jnp.float32(0.9) * ((j.astype(jnp.float32) + 0.5) /
-                                                p.astype(jnp.float32))
-  return _pow10_neg(e, bits) * frac
-
-
-def decode_magnitude(m: jax.Array, bits: int) -> jax.Array:
-  """The float32 magnitude in [0, 1] of integer magnitude codes ``m`` (``int32``)."""
-  k = jnp.zeros(m.shape, jnp.int32)
-  for t in range(1, bits):
-    k = k + (m >= (1 << t)).astype(jnp.int32)
-  p = jnp.left_shift(jnp.ones(m.shape, jnp.int32), k)
-  val = _magnitude(m - p, p, bits - 1 - k, bits)
-  val = jnp.where(m == (1 << bits) - 1, jnp.float32(1.0), val)
-  return jnp.where(m == 0, jnp.float32(0.0), val)
-
-
-def encode_magnitude(a: jax.Array, bits: int) -> jax.Array:
+def encode_magnitude(a: jax.Array, bits: int, table=None) -> jax.Array:
   """The nearest magnitude code (``int32`` in ``[0, 2^bits)``) of ``a`` in [0, 1].
 
-  The decade ``e`` counts the thresholds ``10^-d`` that ``a`` lies below (no logarithm);
-  the fraction rounds down to a candidate code ``m0`` of that decade, whose value is
-  computed in place; the one neighbour on ``a``'s side of it is decoded, and the nearer of
-  the two wins."""
+  A binary search of ``table`` (:func:`magnitude_table`, or a Pallas ``Ref`` holding it)
+  finds ``m0``, the largest code whose magnitude is at most ``a``; of ``m0`` and ``m0 + 1``
+  the nearer wins, the smaller on a tie. ``a`` below 0 or NaN gives 0."""
+  table = magnitude_table(bits) if table is None else table
   top = (1 << bits) - 1
   a = a.astype(jnp.float32)
-  e = jnp.zeros(a.shape, jnp.int32)
-  up = jnp.ones(a.shape, jnp.float32)  # 10^e
-  for d in range(1, bits):
-    below = a < jnp.float32(10.0**-d)
-    e = e + below.astype(jnp.int32)
-    up = jnp.where(below, jnp.float32(10.0**d), up)
-  k = bits - 1 - e
-  p = jnp.left_shift(jnp.ones(a.shape, jnp.int32), k)
-  pf = p.astype(jnp.float32)
-  j = jnp.floor((a * up - jnp.float32(0.1)) / jnp.float32(0.9) * pf)
-  j = jnp.clip(j, 0, pf - 1).astype(jnp.int32)
-  m0 = p + j
-  v0 = jnp.where(m0 == top, jnp.float32(1.0), _magnitude(j, p, e, bits))
-  m1 = jnp.where(a >= v0, jnp.minimum(m0 + 1, top), jnp.maximum(m0 - 1, 0))
-  v1 = decode_magnitude(m1, bits)
-  d0, d1 = jnp.abs(a - v0), jnp.abs(a - v1)
-  return jnp.where((d1 < d0) | ((d1 == d0) & (m1 < m0)), m1, m0)
+  m0 = jnp.zeros(a.shape, jnp.int32)
+  for step in (1 << t for t in reversed(range(bits))):
+    cand = m0 + step
+    m0 = jnp.where(table[cand] <= a, cand, m0)
+  m1 = jnp.minimum(m0 + 1, top)
+  return jnp.where(table[m1] - a < a - table[m0], m1, m0)
 
 
-def encode_signed(x: jax.Array) -> jax.Array:
-  """``int8`` codes of ``x`` in [-1, 1] on the signed map."""
-  m = encode_magnitude(jnp.abs(x), SIGNED_BITS)
+def encode_signed(x: jax.Array, table=None) -> jax.Array:
+  """``int8`` codes of ``x`` in [-1, 1] on the signed map (``table``: its magnitudes)."""
+  m = encode_magnitude(jnp.abs(x), SIGNED_BITS, table)
   return jnp.where(x < 0, -m, m).astype(jnp.int8)
 
 
-def decode_signed(c: jax.Array) -> jax.Array:
+def decode_signed(c: jax.Array, table=None) -> jax.Array:
+  table = magnitude_table(SIGNED_BITS) if table is None else table
   c = c.astype(jnp.int32)
-  mag = decode_magnitude(jnp.abs(c), SIGNED_BITS)
+  mag = table[jnp.abs(c)]
   return jnp.where(c < 0, -mag, mag)
 
 
-def encode_unsigned(x: jax.Array) -> jax.Array:
-  """``uint8`` codes of ``x`` in [0, 1] on the unsigned map."""
-  return encode_magnitude(x, UNSIGNED_BITS).astype(jnp.uint8)
+def encode_unsigned(x: jax.Array, table=None) -> jax.Array:
+  """``uint8`` codes of ``x`` in [0, 1] on the unsigned map (``table``: its magnitudes)."""
+  return encode_magnitude(x, UNSIGNED_BITS, table).astype(jnp.uint8)
 
 
-def decode_unsigned(c: jax.Array) -> jax.Array:
-  return decode_magnitude(c.astype(jnp.int32), UNSIGNED_BITS)
+def decode_unsigned(c: jax.Array, table=None) -> jax.Array:
+  table = magnitude_table(UNSIGNED_BITS) if table is None else table
+  return table[c.astype(jnp.int32)]
 
 
 def code_map(signed: bool) -> np.ndarray:
@@ -124,6 +107,6 @@ def code_map(signed: bool) -> np.ndarray:
   (256, 0.0, 1.0)
   """
   if signed:
-    codes = jnp.arange(-127, 128, dtype=jnp.int32)
-    return np.asarray(decode_signed(codes))
-  return np.asarray(decode_unsigned(jnp.arange(256, dtype=jnp.int32)))
+    mags = np.asarray(magnitude_table(SIGNED_BITS))
+    return np.concatenate([-mags[:0:-1], mags])
+  return np.asarray(magnitude_table(UNSIGNED_BITS))

@@ -19,10 +19,27 @@ from optirs_jax.pallas import sharding
 from optirs_jax.pallas.op import NHP, Hyper, read_hyper
 from optirs_jax.pallas.options import DEFAULT_OPTIONS, Tiling
 from optirs_jax.quantization._blockwise import dequantize_blocks, quantize_blocks
+from optirs_jax.quantization._codes import SIGNED_BITS, UNSIGNED_BITS, magnitude_table
 
 # The scalars of one step, in the order of the kernel's hyper-parameter vector
 # (``pallas.op.hyper_vector(values, HYPER)``).
 HYPER = ("b1", "c1", "b2", "c2", "eps", "bc1", "bc2", "wd", "neg_lr")
+_TABLES = (1 << SIGNED_BITS, 1 << UNSIGNED_BITS)  # the maps' lengths, after the NHP scalars
+
+
+def with_tables(hvec):
+  """The step's vector: its ``NHP`` scalars, then the signed and unsigned dynamic maps'
+  magnitudes (constants; carried in the vector, the operand every call already takes, so a
+  partitioned call captures no constant)."""
+  return jnp.concatenate([hvec[:NHP], magnitude_table(SIGNED_BITS),
+                          magnitude_table(UNSIGNED_BITS)])
+
+
+def tables_of(hvec):
+  """``(signed map, unsigned map)`` of a :func:`with_tables` vector (None without them)."""
+  if hvec.shape[0] < NHP + sum(_TABLES):
+    return None, None
+  return hvec[NHP:NHP + _TABLES[0]], hvec[NHP + _TABLES[0]:NHP + sum(_TABLES)]
 
 
 def adam_math(h: Hyper, p, g, mu, nu, *, l2: bool, decoupled: bool):
@@ -40,23 +57,28 @@ def adam_math(h: Hyper, p, g, mu, nu, *, l2: bool, decoupled: bool):
 
 
 def block_step(h: Hyper, p, g, muc, mua, nuc, nua, out_dtype, *, l2, decoupled, fused,
-               fmt: str = "dynamic8"):
+               fmt: str = "dynamic8", tables=(None, None)):
   """Blocks in, blocks out: ``(out, mu codes, mu absmax, nu codes, nu absmax)``, the
-  moments requantized in ``fmt``."""
+  moments requantized in ``fmt``; ``tables``: the signed and unsigned maps' magnitudes
+  (arrays or a kernel's refs; None builds them)."""
   p32 = p.astype(jnp.float32)
-  u, mu, nu = adam_math(h, p32, g, dequantize_blocks(muc, mua), dequantize_blocks(nuc, nua),
-                        l2=l2, decoupled=decoupled)
+  st, ut = tables
+  u, mu, nu = adam_math(h, p32, g, dequantize_blocks(muc, mua, st),
+                        dequantize_blocks(nuc, nua, ut), l2=l2, decoupled=decoupled)
   out = (p32 + u) if fused else u
-  muc, mua = quantize_blocks(mu, signed=True, fmt=fmt)
-  nuc, nua = quantize_blocks(nu, signed=False, fmt=fmt)
+  muc, mua = quantize_blocks(mu, signed=True, fmt=fmt, table=st)
+  nuc, nua = quantize_blocks(nu, signed=False, fmt=fmt, table=ut)
   return out.astype(out_dtype), muc, mua, nuc, nua
 
 
-def _body(h_ref, p_ref, g_ref, muc_ref, mua_ref, nuc_ref, nua_ref, o_ref, muc_o, mua_o, nuc_o,
-          nua_o, **kw):
+def _body(h_ref, p_ref, g_ref, muc_ref, mua_ref, nuc_ref, nua_ref, *refs, **kw):
+  """The dynamic map's two tables come after the operands (refs: each lookup a gather from
+  them); the fp8 format has none."""
+  tables = refs[:2] if len(refs) == 7 else (None, None)
+  o_ref, muc_o, mua_o, nuc_o, nua_o = refs[-5:]
   h = read_hyper(h_ref, HYPER)
   outs = block_step(h, p_ref[...], g_ref[...], muc_ref[...], mua_ref[...], nuc_ref[...],
-                    nua_ref[...], o_ref.dtype, **kw)
+                    nua_ref[...], o_ref.dtype, tables=tables, **kw)
   for ref, x in zip((o_ref, muc_o, mua_o, nuc_o, nua_o), outs):
     ref[...] = x
 
@@ -78,9 +100,14 @@ def leaf_step(hvec, p2, g2, muc, mua, nuc, nua, out_dtype, *, platform: str, l2:
   args = (p2, g2, muc, mua, nuc, nua)
   if platform == "interpret" and any(sharding.varying_axes(x) for x in args):
     platform = "jnp"  # Pallas' interpreter cannot check varying axes inside a shard_map
+  if platform == "cuda" and p2.shape[-1] & (p2.shape[-1] - 1):
+    platform = "jnp"  # a row of one short block (Triton's blocks are powers of two)
   if platform == "jnp":
-    return block_step(read_hyper(hvec, HYPER), *args, out_dtype, **kw)
-  hvec, *args = sharding.vary_alike((hvec, *args))  # a kernel's operands vary alike
+    return block_step(read_hyper(hvec, HYPER), *args, out_dtype, tables=tables_of(hvec), **kw)
+  tables = tables_of(hvec) if fmt == "dynamic8" else (None,)
+  tables = () if tables[0] is None else tables
+  hvec, *args = sharding.vary_alike((hvec, *args, *tables))  # a kernel's operands vary alike
+  args, tables = args[:6], args[6:]
   p2, muc, mua, nuc = args[0], args[2], args[3], args[4]
   nb, bs = p2.shape
   rows = rows_per_program(nb, tiling.block_rows)
@@ -100,7 +127,8 @@ def leaf_step(hvec, p2, g2, muc, mua, nuc, nua, out_dtype, *, platform: str, l2:
       functools.partial(_body, **kw),
       out_shape=out_shape,
       grid=(programs,),
-      in_specs=[pl.BlockSpec((NHP,), lambda i: (0,))] + specs,
+      in_specs=([pl.BlockSpec((NHP,), lambda i: (0,))] + specs
+                + [pl.BlockSpec(t.shape, lambda i: (0,)) for t in tables]),
       out_specs=(row_spec, row_spec, col_spec, row_spec, col_spec),
       input_output_aliases=aliases,
       interpret=platform == "interpret",
@@ -108,9 +136,10 @@ def leaf_step(hvec, p2, g2, muc, mua, nuc, nua, out_dtype, *, platform: str, l2:
                                                num_stages=tiling.num_stages)
                        if platform == "cuda" else None),
       name="adam8bit" if fmt == "dynamic8" else "adam_fp8",
-  )(hvec, *args)
+  )(hvec, *args, *tables)
   start = programs * rows
   if start == nb:
     return results
-  tail = block_step(read_hyper(hvec, HYPER), *(x[start:] for x in args), out_dtype, **kw)
+  tail = block_step(read_hyper(hvec, HYPER), *(x[start:] for x in args), out_dtype,
+                    tables=tables_of(hvec), **kw)
   return tuple(y.at[start:].set(t) for y, t in zip(results, tail))
