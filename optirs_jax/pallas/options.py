@@ -121,8 +121,10 @@ class ExecutorOptions:
       blocks, ``num_stages`` blocks in flight per thread block, ``programs`` thread blocks.
     quantized_tiling: the 8-bit optimizers' kernel (:func:`~optirs_jax.adam8bit`):
       ``block_rows`` quantization blocks per program (its ``lanes`` is unused: a row is one
-      quantization block), and the Triton launch settings (1 block, 2 warps: fastest of
-      1-8 blocks x 2-8 warps on an H200, benchmarks/NOTES.md "Runs 8-9").
+      quantization block), and the Triton launch settings (1 block, 1 warp: fastest of
+      1-4 blocks x 1-4 warps for both state formats on an H100 with the table-driven codes,
+      benchmarks/NOTES.md "Run 46"; 2 warps were fastest of 2-8 with the arithmetic codes on
+      an H200, "Runs 8-9").
   """
 
   small_leaf_policy: str = "group"
@@ -134,7 +136,7 @@ class ExecutorOptions:
   interpret_tiling: Tiling | None = None
   grouped_tiling: Tiling = Tiling(block_rows=2, num_warps=4, flat=True)
   grouped_max_buffers: int = 1512
-  quantized_tiling: Tiling = Tiling(block_rows=1, num_warps=2)
+  quantized_tiling: Tiling = Tiling(block_rows=1, num_warps=1)
   gpu_kernels: str = "triton"
   mosaic_gpu_tiling: Tiling = Tiling(block_rows=32, num_stages=2)
 
