@@ -251,12 +251,14 @@ def test_schedules_extra_args_and_bad_input():
 
 @pytest.mark.parametrize("make", [adam8bit, adamw8bit])
 def test_cuda_export_carries_one_triton_kernel_per_8bit_leaf(make):
+  """Two 8-bit leaves of whole blocks: a kernel each; the float32 leaves (b, b2): one
+  grouped launch of float32 Adam(W); an 8-bit leaf of a short block: the jnp math."""
   from tests.test_lowering import cuda_triton_calls
   tx = make(1e-3)
   params = {"w": jnp.zeros((512, 768)), "e": jnp.zeros((1000, 256)), "b": jnp.zeros(768),
-            "odd": jnp.zeros((4097,))}  # 8-bit, but not whole blocks: jnp
+            "b2": jnp.zeros(100), "odd": jnp.zeros((4097,))}
   step = lambda p, s, g: optirs_jax.apply(tx, g, s, p)
-  assert cuda_triton_calls(step, params, tx.init(params), params) == 2
+  assert cuda_triton_calls(step, params, tx.init(params), params) == 3
 
 
 def test_a_fresh_state_can_be_donated():

@@ -28,6 +28,9 @@ from optirs_jax.quantization._blockwise import (
   from_row_blocks,
   num_blocks,
 )
+from optirs_jax.transforms.adam import AdamState
+from optirs_jax.transforms.adam import adam as _adam32
+from optirs_jax.transforms.adam import adamw as _adamw32
 from optirs_jax.transforms._checks import (
   as_float,
   check_backend,
@@ -231,6 +234,14 @@ def _make(fn: str, learning_rate_, b1, b2, eps, weight_decay, block_size, min_8b
   if concrete(min_8bit_size):
     _structural_int(fn, "min_8bit_size", min_8bit_size, MIN_8BIT_SIZE, 0)
 
+  # Leaves kept in float32 are float32 Adam(W) with the same arguments: they run through its
+  # executor, so on a GPU they share its grouped launches instead of one XLA kernel each.
+  # (Adam with L2 decay, g + wd * p, is not optax's adam: those stay on the 8-bit step's math.)
+  small = (_adamw32(learning_rate_, b1, b2, eps, weight_decay=weight_decay, backend=backend,
+                    executor_options=executor_options) if decoupled else
+           _adam32(learning_rate_, b1, b2, eps, backend=backend,
+                   executor_options=executor_options))
+
   def init_fn(params):
     leaves, _, treedef = flatten(fn, "params", params)
     bs = check_block_size(fn, BLOCK_SIZE if block_size is None else block_size)
@@ -267,17 +278,34 @@ def _make(fn: str, learning_rate_, b1, b2, eps, weight_decay, block_size, min_8b
         return tuple(zip(*outs)) if outs else ((), (), ())
       return go
 
-    args = (hvec, pl_, gl, mus, nus)
-    targets = lowering_targets([(g,) for g in gl[:1]])
-    other = "jnp" if backend in ("jnp", "auto") else "interpret"
-    if backend == "jnp" or not gl or "cuda" not in targets:
-      first, new_mu, new_nu = run(other)(args)
-    else:  # the kernel's branch traced now, the other when lowered for another platform
-      first, new_mu, new_nu = lazy_branches.platform_dependent(args, cuda=run("cuda"),
-                                                               default=run(other))
+    n = len(gl)
+    f32 = ([i for i in range(n) if not isinstance(mus[i], Quantized8bit)]
+           if decoupled or not has_wd else [])
+    rest = [i for i in range(n) if i not in set(f32)]
+    first, new_mu, new_nu = [None] * n, [None] * n, [None] * n
+    if f32:
+      take = lambda xs: [xs[i] for i in f32]
+      s32 = AdamState(count, take(mus), take(nus))
+      if fused:
+        out, s32 = small.update.fused_apply(take(gl), s32, take(pl_))
+      else:
+        out, s32 = small.update(take(gl), s32, None if params is None else take(pl_))
+      for j, i in enumerate(f32):
+        first[i], new_mu[i], new_nu[i] = out[j], s32.mu[j], s32.nu[j]
+    if rest:
+      take = lambda xs: [xs[i] for i in rest]
+      args = (hvec, take(pl_), take(gl), take(mus), take(nus))
+      targets = lowering_targets([(gl[rest[0]],)])
+      other = "jnp" if backend in ("jnp", "auto") else "interpret"
+      if backend == "jnp" or "cuda" not in targets:
+        outs = run(other)(args)
+      else:  # the kernel's branch traced now, the other when lowered for another platform
+        outs = lazy_branches.platform_dependent(args, cuda=run("cuda"), default=run(other))
+      for j, i in enumerate(rest):
+        first[i], new_mu[i], new_nu[i] = outs[0][j], outs[1][j], outs[2][j]
     new_state = Adam8bitState(optax.safe_increment(count), _as_trees(treedef, new_mu),
                               _as_trees(treedef, new_nu))
-    return jax.tree.unflatten(treedef, list(first)), new_state
+    return jax.tree.unflatten(treedef, first), new_state
 
   def update_fn(updates, state, params=None, **extra_args):
     del extra_args
