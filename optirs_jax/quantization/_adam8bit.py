@@ -28,9 +28,6 @@ from optirs_jax.quantization._blockwise import (
   from_row_blocks,
   num_blocks,
 )
-from optirs_jax.transforms.adam import AdamState
-from optirs_jax.transforms.adam import adam as _adam32
-from optirs_jax.transforms.adam import adamw as _adamw32
 from optirs_jax.transforms._checks import (
   as_float,
   check_backend,
@@ -44,6 +41,9 @@ from optirs_jax.transforms._checks import (
   structure_mismatch,
   weight_decay_value,
 )
+from optirs_jax.transforms.adam import AdamState
+from optirs_jax.transforms.adam import adam as _adam32
+from optirs_jax.transforms.adam import adamw as _adamw32
 
 
 class Adam8bitState(NamedTuple):
