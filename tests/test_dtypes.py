@@ -43,7 +43,11 @@ def test_half_precision_params(case, dtype, backend):
   chex.assert_trees_all_equal_dtypes(u, grads)
   chex.assert_trees_all_equal_dtypes(s, ours.init(params))  # stable across steps
   eps = float(jnp.finfo(dtype).eps)
-  if backend == "jnp":
+  if backend == "jnp" and REGISTRY[name].norms and jax.default_backend() == "gpu":
+    # XLA on a GPU sums per-leaf norms in an order that depends on the program's fusions:
+    # the two programs' trust ratios part in their last bit (of the half type's norm).
+    chex.assert_trees_all_close(u, ru, rtol=2 * eps, atol=0)
+  elif backend == "jnp":
     chex.assert_trees_all_close(u, ru, rtol=0, atol=0)
   elif dtype == jnp.bfloat16 and not name.startswith("optimistic") and name != "novograd":
     # (Optimistic steps are (alpha + beta) d_t - beta d_{t-1}, NovoGrad's g / |g| + wd p:
@@ -102,7 +106,9 @@ def test_complex64_params(case, backend, standard_promotion):
   grads = jax.tree.map(lambda x: jax.lax.complex(x, -0.25 * x), cases.ragged_tree(1))
   u, s, ru, rs = _run(ours, ref, params, grads)
   chex.assert_trees_all_equal_dtypes(u, ru)
-  chex.assert_trees_all_close(u, ru, rtol=0, atol=0)
+  # On a GPU XLA sums per-leaf norms in an order that depends on the program's fusions.
+  rtol = 1e-6 if REGISTRY[name].norms and jax.default_backend() == "gpu" else 0
+  chex.assert_trees_all_close(u, ru, rtol=rtol, atol=0)
 
 
 def test_mixed_real_and_complex_tree_on_pallas(standard_promotion):

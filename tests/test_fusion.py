@@ -37,6 +37,16 @@ def _run(tx, steps=3, fused=True, grad_scale=1.0, params=None):
   return params, state
 
 
+def _same(fused, contract):
+  """Bit for bit on the CPU, where both run the reference. On a GPU the fused step runs the
+  kernel and update + apply_updates runs XLA (every leaf of a rule without norms goes to
+  XLA there): float32 rounding apart, compounded over the steps."""
+  if jax.default_backend() == "cpu":
+    chex.assert_trees_all_equal(fused, contract)
+  else:
+    chex.assert_trees_all_close(fused, contract, rtol=1e-5, atol=1e-7)
+
+
 LINKS = {
     "clip_by_global_norm": lambda: optax.clip_by_global_norm(1.0),
     "clip_by_global_norm_inactive": lambda: optax.clip_by_global_norm(1e3),
@@ -59,12 +69,12 @@ CHAINS = [(link, case) for case in cases.TYPICAL for link in LINKS
 
 @pytest.mark.parametrize("link, case", CHAINS,
                          ids=[f"{c[0]}-{link}" for link, c in CHAINS])
-def test_a_chain_of_known_links_is_fused_and_equals_the_contract_bit_for_bit(link, case):
+def test_a_chain_of_known_links_is_fused_and_equals_the_contract(link, case):
   name, kw = case
   first = LINKS["clip_by_global_norm"]() if "clip_by" not in link else optax.identity()
   tx = optax.chain(first, LINKS[link](), getattr(optirs_jax, name)(1e-2, **kw))
   assert explain(tx).startswith("fused: chain(")
-  chex.assert_trees_all_equal(_run(tx), _run(tx, fused=False))
+  _same(_run(tx), _run(tx, fused=False))
 
 
 def test_the_global_norm_clips_only_when_it_exceeds_the_bound():
@@ -87,7 +97,7 @@ def test_inject_hyperparams_is_fused_and_equals_the_contract(name):
       learning_rate=optax.linear_schedule(1e-2, 1e-3, 4))
   assert explain(tx) == f"fused: inject_hyperparams({name})"
   fused, contract = _run(tx, steps=4), _run(tx, steps=4, fused=False)
-  chex.assert_trees_all_equal(fused, contract)
+  _same(fused, contract)
   assert float(fused[1].hyperparams["learning_rate"]) == pytest.approx(1e-2 - 3 * 2.25e-3)
 
 
@@ -96,7 +106,7 @@ def test_nested_chains_and_inject_inside_a_chain():
       optax.scale(0.5), optax.inject_hyperparams(optirs_jax.adamw)(learning_rate=1e-2)))
   assert explain(tx) == ("fused: chain(clip_by_global_norm, chain(scale, "
                          "inject_hyperparams(adamw)))")
-  chex.assert_trees_all_equal(_run(tx), _run(tx, fused=False))
+  _same(_run(tx), _run(tx, fused=False))
 
 
 @pytest.mark.parametrize("tx, why", [

@@ -19,9 +19,9 @@ BACKENDS = ["jnp", "pallas"]
 
 
 def _tol(backend, name=""):
-  if backend == "jnp" and name == "lamb" and jax.default_backend() == "gpu":
-    # XLA on a GPU sums LAMB's norms in an order that depends on the program's fusions:
-    # one ulp of the trust ratio (test_dtypes likewise).
+  if backend == "jnp" and name and REGISTRY[name].norms and jax.default_backend() == "gpu":
+    # XLA on a GPU sums per-leaf norms (LAMB's, LARS's trust ratios) in an order that
+    # depends on the program's fusions: one ulp of the ratio (test_dtypes likewise).
     return {"rtol": 1e-6, "atol": 0.0}
   return {"rtol": 0.0, "atol": 0.0} if backend == "jnp" else {"rtol": 1e-6, "atol": 1e-9}
 
@@ -89,8 +89,11 @@ def test_state_matches_optax_moments(name):
   # Bit-identical but for the last ulp or two of a multiply-add XLA contracts into an FMA
   # in one program and not in the other (RMSprop's trace in the grouped kernel's interpret
   # mode: up to 2e-7 relative after four steps).
+  # On a GPU the Triton kernel and optax's XLA program contract and sum in their own
+  # orders (and per-leaf norms feed LARS's momentum): float32 rounding, over four steps.
+  rtol = 4e-7 if jax.default_backend() == "cpu" else 1e-5
   for a, b in pairs:
-    chex.assert_trees_all_close(a, b, rtol=4e-7, atol=0)
+    chex.assert_trees_all_close(a, b, rtol=rtol, atol=0)
 
 
 @pytest.mark.parametrize("name", ["adam", "lamb"])

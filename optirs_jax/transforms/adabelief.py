@@ -80,8 +80,8 @@ def adabelief(learning_rate: optax.ScalarOrSchedule, b1: jax.typing.ArrayLike = 
     >>> import jax.numpy as jnp, optirs_jax
     >>> tx = optirs_jax.adabelief(1e-1)
     >>> updates, _ = tx.update({"w": jnp.array([0.5, -1.0])}, tx.init({"w": jnp.zeros(2)}))
-    >>> updates["w"]
-    Array([-0.11111038,  0.11111038], dtype=float32)
+    >>> [round(v, 5) for v in updates["w"].tolist()]
+    [-0.11111, 0.11111]
 
   References:
     Zhuang et al., `AdaBelief Optimizer: Adapting Stepsizes by the Belief in Observed
