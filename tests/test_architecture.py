@@ -1,7 +1,8 @@
 """The package's layers import only downward, and its modules stay small.
 
-face (``optirs_jax/*.py``, the feature modules) -> transforms -> spec and rules (and the
-backend names) -> executors (``optirs_jax/pallas``) -> planning (``optirs_jax/planning``).
+face (``optirs_jax/*.py``, the feature modules) -> transforms -> spec, rules, state formats
+(``optirs_jax/formats``) and the backend names -> executors (``optirs_jax/pallas``) ->
+planning (``optirs_jax/planning``).
 """
 
 import ast
@@ -14,13 +15,13 @@ MAX_LINES = 450
 
 
 def layer(module: str) -> int:
-  """0 planning, 1 executors, 2 spec/rules/backends, 3 transforms, 4 the face."""
+  """0 planning, 1 executors, 2 spec/rules/backends/formats, 3 transforms, 4 the face."""
   parts = module.split(".")
   if len(parts) > 1 and parts[1] == "planning":
     return 0
   if len(parts) > 1 and parts[1] == "pallas":
     return 1
-  if len(parts) > 1 and parts[1] in ("spec", "rules", "rounding", "dtypes", "backends"):
+  if len(parts) > 1 and parts[1] in ("spec", "rules", "rounding", "dtypes", "backends", "formats"):
     return 2
   if len(parts) > 1 and parts[1] == "transforms":
     return 3

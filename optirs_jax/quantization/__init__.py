@@ -10,9 +10,9 @@
 - :func:`quantize_blockwise`, :class:`Quantized8bit` and :func:`code_map`: the 8-bit format.
 """
 
+from optirs_jax.formats.blockwise import Quantized8bit, quantize_blockwise
+from optirs_jax.formats.codes import code_map
 from optirs_jax.quantization._adam8bit import Adam8bitState, adam8bit, adamw8bit, state_nbytes
-from optirs_jax.quantization._blockwise import Quantized8bit, quantize_blockwise
-from optirs_jax.quantization._codes import code_map
 from optirs_jax.quantization._fake import calibrate, ema_calibrate, fake_quant, fake_quant_fp8
 
 __all__ = [

@@ -12,13 +12,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from optirs_jax.fusion import NotFused
-from optirs_jax.pallas import lazy_branches, sharding
-from optirs_jax.pallas.dispatch import lowering_targets
-from optirs_jax.pallas.op import hyper_vector, read_hyper
-from optirs_jax.pallas.options import ExecutorOptions
-from optirs_jax.quantization import _kernel8
-from optirs_jax.quantization._blockwise import (
+from optirs_jax.formats.blockwise import (
   FP8,
   Quantized8bit,
   as_row_blocks,
@@ -28,6 +22,12 @@ from optirs_jax.quantization._blockwise import (
   from_row_blocks,
   num_blocks,
 )
+from optirs_jax.fusion import NotFused
+from optirs_jax.pallas import lazy_branches, sharding
+from optirs_jax.pallas.dispatch import lowering_targets
+from optirs_jax.pallas.op import hyper_vector, read_hyper
+from optirs_jax.pallas.options import ExecutorOptions
+from optirs_jax.quantization import _kernel8
 from optirs_jax.transforms._checks import (
   as_float,
   check_backend,

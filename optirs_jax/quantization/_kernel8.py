@@ -15,11 +15,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from optirs_jax.formats.blockwise import dequantize_blocks, quantize_blocks
+from optirs_jax.formats.codes import SIGNED_BITS, UNSIGNED_BITS, magnitude_table
 from optirs_jax.pallas import sharding
 from optirs_jax.pallas.op import NHP, Hyper, read_hyper
 from optirs_jax.pallas.options import DEFAULT_OPTIONS, Tiling
-from optirs_jax.quantization._blockwise import dequantize_blocks, quantize_blocks
-from optirs_jax.quantization._codes import SIGNED_BITS, UNSIGNED_BITS, magnitude_table
 
 # The scalars of one step, in the order of the kernel's hyper-parameter vector
 # (``pallas.op.hyper_vector(values, HYPER)``).

@@ -1,7 +1,7 @@
 """Block-wise 8-bit arrays: one code per element, one float32 absmax per block of a row.
 
 Two formats (``STATE_QUANTIZATIONS``): ``"dynamic8"``, the codes of Dettmers et al.'s
-dynamic tree maps (:mod:`~optirs_jax.quantization._codes`: ``int8`` for signed arrays,
+dynamic tree maps (:mod:`~optirs_jax.formats.codes`: ``int8`` for signed arrays,
 ``uint8`` for non-negative ones), and ``"fp8"``, each element divided by its block's absmax
 and stored as ``float8_e4m3fn`` times 448 (its largest finite value; decoded as the code
 times ``float32(1 / 448)`` times the absmax), torchao's ``AdamWFp8`` format; one hardware
@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optirs_jax.quantization import _codes
+from optirs_jax.formats import codes as _codes
 
 STATE_QUANTIZATIONS = ("dynamic8", "fp8")
 FP8 = jnp.float8_e4m3fn
@@ -122,7 +122,7 @@ def quantize_blocks(x: jax.Array, signed: bool, fmt: str = "dynamic8", table=Non
                     ) -> tuple[jax.Array, jax.Array]:
   """``(codes, absmax[..., None])`` of float32 blocks ``x`` (``[..., block_size]``):
   ``a = x / absmax``, then the nearest code of the signed or unsigned dynamic map (``table``:
-  the map's magnitudes, :func:`~optirs_jax.quantization._codes.magnitude_table`, an array
+  the map's magnitudes, :func:`~optirs_jax.formats.codes.magnitude_table`, an array
   or a kernel's ``Ref``; None builds it), or ``float8_e4m3fn(a * 448)`` (rounded to nearest
   even)."""
   absmax = jnp.max(jnp.abs(x), axis=-1, keepdims=True)

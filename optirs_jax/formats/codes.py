@@ -49,7 +49,7 @@ def magnitude_table(bits: int) -> jax.Array:
   """The ``2^bits`` magnitudes of the map indexed by their code (increasing), each the
   formula above in float64 rounded once to float32: a constant, the same in every program.
 
-  >>> from optirs_jax.quantization._codes import magnitude_table
+  >>> from optirs_jax.formats.codes import magnitude_table
   >>> t = magnitude_table(8)
   >>> t.shape, [round(float(v), 10) for v in t[:2]], float(t[-1])
   ((256,), [0.0, 5.5e-08], 1.0)
