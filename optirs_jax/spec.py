@@ -51,6 +51,8 @@ class Field:
     per_leaf: one scalar per leaf (shape ``()``, in the leaf's dtype unless ``dtype`` says)
       instead of a tree shaped like the params: a :class:`Reduction`'s ``between`` updates
       it from the leaf's norms (NovoGrad's second moment).
+    nonneg: never negative (a second moment, an accumulator of squares): stored in 8 bits
+      on the unsigned dynamic map, which spends the sign bit on resolution.
   """
 
   name: str
@@ -59,6 +61,7 @@ class Field:
   pad: float = 0.0
   when: str | None = None
   per_leaf: bool = False
+  nonneg: bool = False
 
   def exists(self, options: Mapping[str, Any]) -> bool:
     if self.when is None:

@@ -34,6 +34,10 @@ STATES = [
     ("novograd", lambda: optirs_jax.novograd(1e-2, weight_decay=1e-2), jnp.float32),
     ("adam8bit", lambda: optirs_jax.adam8bit(1e-2, min_8bit_size=512), jnp.float32),
     ("adamw8bit", lambda: optirs_jax.adamw8bit(1e-2, min_8bit_size=512), jnp.float32),
+    ("lion_dynamic8", lambda: optirs_jax.lion(1e-3, state_quantization="dynamic8",
+                                              min_quantized_size=512), jnp.float32),
+    ("rmsprop_fp8", lambda: optirs_jax.rmsprop(1e-3, momentum=0.9, state_quantization="fp8",
+                                               min_quantized_size=512), jnp.float32),
     ("master_weights", lambda: mp.master_weights(optirs_jax.adamw(1e-2)), jnp.bfloat16),
     ("loss_scaling_dynamic", lambda: mp.with_loss_scaling(
         mp.master_weights(optirs_jax.adamw(1e-2)), mp.DynamicLossScale(2.0**10, period=2)),

@@ -29,6 +29,7 @@ from optirs_jax.pallas.sharding import varying_axes
 from optirs_jax.rounding import split16
 from optirs_jax.spec import BoundRule, OptimizerSpec, prologue_names
 from optirs_jax.transforms import _checks as c
+from optirs_jax.transforms import _quantized
 from optirs_jax.transforms._wiring import check_wiring
 
 # What each kind of argument a spec declares must be.
@@ -84,6 +85,7 @@ def build(spec: OptimizerSpec,
   fields = tuple(f for f in fields if f not in late and f not in leafwise)
   names = tuple(f.name for f in fields)
   check_wiring(fn, spec, options, names)
+  quantization = _quantized.check(fn, arguments)  # None: float fields
   seed = options["rounding_seed"] if options.get("stochastic_rounding") else None  # traced ok
   axes = options.get("axis_name")
   norm_axes = () if axes is None else ((axes,) if isinstance(axes, str) else tuple(axes))
@@ -98,11 +100,26 @@ def build(spec: OptimizerSpec,
         return jax.tree.map(lambda x: jnp.asarray(value, dtype=dtype or x.dtype), params)
       return optax.tree.full_like(params, value, dtype=dtype)
 
-    return spec.state(count=jnp.zeros([], jnp.int32),
-                      **{f.name: init(f) if f.exists(options) else None for f in spec.fields})
+    state = spec.state(count=jnp.zeros([], jnp.int32),
+                       **{f.name: init(f) if f.exists(options) else None for f in spec.fields})
+    if quantization is not None:
+      state = _quantized.encode_fields(fn, state, spec.fields, quantization)
+    return state
 
   def step(updates, state, params, *, fused=False, master=None, inv_scale=None, finite=None,
            param_seed=OWN, prologue=()):
+    kw = dict(fused=fused, master=master, inv_scale=inv_scale, finite=finite,
+              param_seed=param_seed, prologue=prologue)
+    if quantization is None:
+      return float_step(updates, state, params, **kw)
+    # The float32 step between a decode and an encode of the quantized fields.
+    state, quantized = _quantized.decode_fields(state, spec.fields)
+    result = float_step(updates, state, params, **kw)
+    return (result[0], _quantized.reencode_fields(result[1], spec.fields, quantized),
+            *result[2:])
+
+  def float_step(updates, state, params, *, fused, master, inv_scale, finite, param_seed,
+                 prologue):
     g, paths, treedef = c.flatten(fn, "updates", updates)
     columns = [c.match(fn, f"state.{f.name}", getattr(state, f.name), treedef, g, paths)
                for f in fields]

@@ -43,7 +43,8 @@ ADAGRAD = OptimizerSpec(
     arguments=(("learning_rate", "schedule"), ("initial_accumulator_value", "number"),
                ("eps", "number")) + ROUNDING,
     state=AdagradState,
-    fields=(Field("sum_of_squares", init="initial_accumulator_value", pad=1.0),),
+    fields=(Field("sum_of_squares", init="initial_accumulator_value", pad=1.0,
+                  nonneg=True),),
     rule=adagrad_rule,
     hyper=("eps", "neg_lr"),
     scalars=lambda o, count: dict(eps=o["eps"]),
@@ -55,7 +56,9 @@ def adagrad(learning_rate: optax.ScalarOrSchedule,
             initial_accumulator_value: jax.typing.ArrayLike = 0.1,
             eps: jax.typing.ArrayLike = 1e-7, *, stochastic_rounding: bool = False,
             rounding_seed: int = 0, backend: str = "auto",
-            executor_options: ExecutorOptions | None = None
+            executor_options: ExecutorOptions | None = None,
+            state_quantization: str | None = None, quantization_block_size: int = 256,
+            min_quantized_size: int = 4096
             ) -> optax.GradientTransformationExtraArgs:
   r"""Adagrad; the same numbers as :func:`optax.adagrad`.
 
@@ -70,6 +73,8 @@ def adagrad(learning_rate: optax.ScalarOrSchedule,
     stochastic_rounding, rounding_seed: as in :func:`~optirs_jax.adam`.
     backend: ``"auto"``, ``"jnp"`` or ``"pallas"``.
     executor_options: the kernels' layout and launch options (:class:`~optirs_jax.ExecutorOptions`).
+    state_quantization, quantization_block_size, min_quantized_size: 8-bit state, as in
+      :func:`~optirs_jax.adam`.
 
   Example:
     >>> import jax.numpy as jnp, optirs_jax

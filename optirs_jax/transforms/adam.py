@@ -62,7 +62,8 @@ def adam_scalars(options, count) -> dict:
 
 
 ADAM_HYPER = ("b1", "c1", "b2", "c2", "eps", "eps_root", "bc1", "bc1_next", "bc2", "wd", "neg_lr")
-ADAM_FIELDS = (Field("mu", dtype="mu_dtype"), Field("nu", dtype="nu_dtype", pad=1.0))
+ADAM_FIELDS = (Field("mu", dtype="mu_dtype"),
+               Field("nu", dtype="nu_dtype", pad=1.0, nonneg=True))
 
 ADAMW = OptimizerSpec(
     name="adamw",
@@ -88,7 +89,9 @@ def adam(learning_rate: optax.ScalarOrSchedule, b1: jax.typing.ArrayLike = 0.9,
          eps_root: jax.typing.ArrayLike = 0.0, mu_dtype: Any | None = None, *,
          nu_dtype: Any | None = None, nesterov: bool = False, stochastic_rounding: bool = False,
          rounding_seed: int = 0, backend: str = "auto",
-         executor_options: ExecutorOptions | None = None
+         executor_options: ExecutorOptions | None = None,
+         state_quantization: str | None = None, quantization_block_size: int = 256,
+         min_quantized_size: int = 4096
          ) -> optax.GradientTransformationExtraArgs:
   r"""Adam, fused into one kernel pass; the same numbers as :func:`optax.adam`.
 
@@ -121,6 +124,15 @@ def adam(learning_rate: optax.ScalarOrSchedule, b1: jax.typing.ArrayLike = 0.9,
     backend: ``"auto"``, ``"jnp"`` or ``"pallas"`` (see :mod:`optirs_jax.backends`).
     executor_options: the kernels' layout and launch options
       (:class:`~optirs_jax.ExecutorOptions`; ``None``: the measured defaults).
+    state_quantization: ``None`` (float state), ``"dynamic8"`` or ``"fp8"``: each state field
+      of a float32 leaf of at least ``min_quantized_size`` elements is stored in 8 bits, one
+      float32 absmax per block of ``quantization_block_size`` elements along the last axis
+      (the dynamic tree map, unsigned for non-negative fields, or ``float8_e4m3fn``). Each
+      step decodes the fields, runs this float32 step and encodes them again (in XLA around
+      the kernels: the memory of 8-bit state, not yet its speed; :func:`adam8bit` has
+      Adam's fused 8-bit kernel).
+    quantization_block_size, min_quantized_size: the blocks' size (a power of two) and the
+      smallest leaf quantized.
 
   Returns:
     An :class:`optax.GradientTransformationExtraArgs` with state :class:`AdamState`.
@@ -149,7 +161,9 @@ def adamw(learning_rate: optax.ScalarOrSchedule, b1: jax.typing.ArrayLike = 0.9,
           weight_decay: optax.ScalarOrSchedule = 1e-4, mask: Any = None, *,
           nu_dtype: Any | None = None, nesterov: bool = False,
           stochastic_rounding: bool = False, rounding_seed: int = 0, backend: str = "auto",
-          executor_options: ExecutorOptions | None = None
+          executor_options: ExecutorOptions | None = None,
+          state_quantization: str | None = None, quantization_block_size: int = 256,
+          min_quantized_size: int = 4096
           ) -> optax.GradientTransformationExtraArgs:
   r"""AdamW (decoupled weight decay), fused; the same numbers as :func:`optax.adamw`.
 
@@ -166,6 +180,8 @@ def adamw(learning_rate: optax.ScalarOrSchedule, b1: jax.typing.ArrayLike = 0.9,
     weight_decay: the decay :math:`\lambda`, a number or a schedule.
     mask: a tree of bools (or a prefix of the params tree), or a callable returning one,
       ``True`` where the decay applies. Adam itself applies to every leaf.
+    state_quantization, quantization_block_size, min_quantized_size: 8-bit state, as in
+      :func:`~optirs_jax.adam`.
 
   Example:
     >>> import jax.numpy as jnp, optirs_jax

@@ -64,7 +64,9 @@ def lamb(learning_rate: optax.ScalarOrSchedule, b1: jax.typing.ArrayLike = 0.9,
          mask: Any = None, *, mu_dtype: Any | None = None, nu_dtype: Any | None = None,
          stochastic_rounding: bool = False, rounding_seed: int = 0,
          axis_name: str | tuple[str, ...] | None = None, backend: str = "auto",
-         executor_options: ExecutorOptions | None = None
+         executor_options: ExecutorOptions | None = None,
+         state_quantization: str | None = None, quantization_block_size: int = 256,
+         min_quantized_size: int = 4096
          ) -> optax.GradientTransformationExtraArgs:
   r"""LAMB: Adam with a layer-wise trust ratio; the same numbers as :func:`optax.lamb`.
 
@@ -91,6 +93,8 @@ def lamb(learning_rate: optax.ScalarOrSchedule, b1: jax.typing.ArrayLike = 0.9,
       norms are of the whole leaves (partial sums of squares added over the axes each leaf
       varies over); ``None``: of the local arrays. Under ``jax.jit`` with sharded arrays
       the norms are always of the whole leaves.
+    state_quantization, quantization_block_size, min_quantized_size: 8-bit state, as in
+      :func:`~optirs_jax.adam`.
 
   Returns:
     An :class:`optax.GradientTransformationExtraArgs` with state

@@ -54,7 +54,9 @@ def lion(learning_rate: optax.ScalarOrSchedule, b1: jax.typing.ArrayLike = 0.9,
          b2: jax.typing.ArrayLike = 0.99, mu_dtype: Any | None = None,
          weight_decay: optax.ScalarOrSchedule = 1e-3, mask: Any = None, *,
          stochastic_rounding: bool = False, rounding_seed: int = 0, backend: str = "auto",
-         executor_options: ExecutorOptions | None = None
+         executor_options: ExecutorOptions | None = None,
+         state_quantization: str | None = None, quantization_block_size: int = 256,
+         min_quantized_size: int = 4096
          ) -> optax.GradientTransformationExtraArgs:
   r"""Lion; the same numbers as :func:`optax.lion`.
 
@@ -79,6 +81,8 @@ def lion(learning_rate: optax.ScalarOrSchedule, b1: jax.typing.ArrayLike = 0.9,
     stochastic_rounding, rounding_seed: as in :func:`~optirs_jax.adam`.
     backend: ``"auto"``, ``"jnp"`` or ``"pallas"``.
     executor_options: the kernels' layout and launch options (:class:`~optirs_jax.ExecutorOptions`).
+    state_quantization, quantization_block_size, min_quantized_size: 8-bit state, as in
+      :func:`~optirs_jax.adam`.
 
   Returns:
     An :class:`optax.GradientTransformationExtraArgs` with state :class:`LionState`.

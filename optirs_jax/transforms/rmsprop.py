@@ -71,7 +71,7 @@ RMSPROP = OptimizerSpec(
                ("momentum", "optional number"), ("nesterov", "flag"),
                ("bias_correction", "flag"), ("nu_dtype", "dtype")) + ROUNDING,
     state=RmspropState,
-    fields=(Field("nu", init="initial_scale", dtype="nu_dtype", pad=1.0),
+    fields=(Field("nu", init="initial_scale", dtype="nu_dtype", pad=1.0, nonneg=True),
             Field("mu", when="centered"),
             Field("trace", when="momentum")),
     rule=rmsprop_rule,
@@ -89,7 +89,9 @@ def rmsprop(learning_rate: optax.ScalarOrSchedule, decay: jax.typing.ArrayLike =
             momentum: jax.typing.ArrayLike | None = None, nesterov: bool = False,
             bias_correction: bool = False, *, nu_dtype: Any | None = None,
             stochastic_rounding: bool = False, rounding_seed: int = 0, backend: str = "auto",
-            executor_options: ExecutorOptions | None = None
+            executor_options: ExecutorOptions | None = None,
+            state_quantization: str | None = None, quantization_block_size: int = 256,
+            min_quantized_size: int = 4096
             ) -> optax.GradientTransformationExtraArgs:
   r"""RMSprop; the same numbers as :func:`optax.rmsprop`.
 
@@ -119,6 +121,8 @@ def rmsprop(learning_rate: optax.ScalarOrSchedule, decay: jax.typing.ArrayLike =
     stochastic_rounding, rounding_seed: as in :func:`~optirs_jax.adam`.
     backend: ``"auto"``, ``"jnp"`` or ``"pallas"``.
     executor_options: the kernels' layout and launch options (:class:`~optirs_jax.ExecutorOptions`).
+    state_quantization, quantization_block_size, min_quantized_size: 8-bit state, as in
+      :func:`~optirs_jax.adam`.
 
   Example:
     >>> import jax.numpy as jnp, optirs_jax

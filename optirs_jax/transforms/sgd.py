@@ -51,7 +51,9 @@ SGD = OptimizerSpec(
 def sgd(learning_rate: optax.ScalarOrSchedule, momentum: jax.typing.ArrayLike | None = None,
         nesterov: bool = False, accumulator_dtype: Any | None = None, *,
         stochastic_rounding: bool = False, rounding_seed: int = 0, backend: str = "auto",
-        executor_options: ExecutorOptions | None = None
+        executor_options: ExecutorOptions | None = None,
+        state_quantization: str | None = None, quantization_block_size: int = 256,
+        min_quantized_size: int = 4096
         ) -> optax.GradientTransformationExtraArgs:
   r"""Stochastic gradient descent; the same numbers as :func:`optax.sgd`.
 
@@ -69,6 +71,8 @@ def sgd(learning_rate: optax.ScalarOrSchedule, momentum: jax.typing.ArrayLike | 
     stochastic_rounding, rounding_seed: as in :func:`~optirs_jax.adam`.
     backend: ``"auto"``, ``"jnp"`` or ``"pallas"``.
     executor_options: the kernels' layout and launch options (:class:`~optirs_jax.ExecutorOptions`).
+    state_quantization, quantization_block_size, min_quantized_size: 8-bit state, as in
+      :func:`~optirs_jax.adam`.
 
   Example:
     >>> import jax.numpy as jnp, optirs_jax

@@ -1,0 +1,141 @@
+"""Optimizer state stored block-wise in 8 bits: any optimizer's fields, one option.
+
+An optimizer built with ``state_quantization="dynamic8"`` or ``"fp8"`` keeps each state
+field of a large float32 leaf as a :class:`~optirs_jax.formats.blockwise.Quantized8bit`
+(one 8-bit code per element, one float32 absmax per block of ``quantization_block_size``
+elements along the last axis): the dynamic tree map (signed for signed fields, unsigned for
+the non-negative ones, ``Field.nonneg``) or ``float8_e4m3fn``. Each step decodes the fields,
+runs the optimizer's own float32 step (reference or kernels) and encodes the new fields:
+
+.. math::
+  s_t = Q\big(f(g_t, D(s_{t-1}))\big)
+
+with ``D``/``Q`` the format's decode and nearest-code encode. Leaves under
+``min_quantized_size`` elements, or not float32, keep their field as it is. A field is one
+``Quantized8bit`` of two trees shaped like the params (``codes``, and ``absmax`` with
+``optax.MaskedNode()`` where a leaf is kept), as ``optirs_jax.adam8bit``'s moments.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from optirs_jax.formats.blockwise import (
+  Quantized8bit,
+  check_block_size,
+  check_format,
+  format_of,
+  quantize_blockwise,
+)
+
+BLOCK_SIZE = 256
+MIN_SIZE = 4096
+
+
+@dataclasses.dataclass(frozen=True)
+class Quantization:
+  """An optimizer's state format: ``fmt`` (``"dynamic8"`` or ``"fp8"``), the block size
+  and the smallest leaf quantized (None when traced: only ``init`` reads them)."""
+
+  fmt: str
+  block_size: int | None
+  min_size: int | None
+
+
+def _concrete_int(fn: str, name: str, value, lo: int) -> int | None:
+  if isinstance(value, jax.core.Tracer):
+    return None  # optax.inject_hyperparams traces it in update, where the state says it
+  try:
+    v = int(value)
+  except TypeError:
+    v = None
+  if isinstance(value, bool) or v is None or v != value or v < lo:
+    raise ValueError(f"{fn}: {name}={value!r} must be an int >= {lo}")
+  return v
+
+
+def check(fn: str, arguments) -> Quantization | None:
+  """The state format an optimizer's arguments ask for, or None (float state)."""
+  fmt = arguments.get("state_quantization")
+  if fmt is None:
+    return None
+  fmt = check_format(fn, fmt)
+  bs = arguments.get("quantization_block_size", BLOCK_SIZE)
+  if not isinstance(bs, jax.core.Tracer):
+    bs = check_block_size(fn, bs)
+  else:
+    bs = None
+  min_size = _concrete_int(fn, "min_quantized_size", arguments.get("min_quantized_size",
+                                                                   MIN_SIZE), 0)
+  return Quantization(fmt, bs, min_size)
+
+
+def _masked(x) -> bool:
+  return isinstance(x, optax.MaskedNode)
+
+
+def encode_fields(fn: str, state, fields, q: Quantization):
+  """``state`` (fresh from init) with each field of ``fields`` quantized on its large float32
+  leaves."""
+  if q.block_size is None or q.min_size is None:
+    raise ValueError(f"{fn}: quantization_block_size and min_quantized_size must be concrete "
+                     "at init (under optax.inject_hyperparams pass them in static_args)")
+  new = {}
+  for f in fields:
+    tree = getattr(state, f.name)
+    if tree is None or f.per_leaf:
+      continue
+    leaves, treedef = jax.tree.flatten(tree)
+    codes, scales = [], []
+    for x in leaves:
+      if x.ndim >= 1 and x.size >= q.min_size and x.dtype == jnp.float32:
+        c = quantize_blockwise(x, signed=not f.nonneg, block_size=q.block_size,
+                               state_quantization=q.fmt)
+        codes.append(c.codes)
+        scales.append(c.absmax)
+      else:
+        codes.append(x)
+        scales.append(optax.MaskedNode())
+    new[f.name] = Quantized8bit(jax.tree.unflatten(treedef, codes),
+                                jax.tree.unflatten(treedef, scales))
+  return state._replace(**new)
+
+
+def decode_fields(state, fields):
+  """``(state with float fields, the quantized fields by name)``."""
+  quantized = {f.name: getattr(state, f.name) for f in fields
+               if isinstance(getattr(state, f.name), Quantized8bit)}
+  return state._replace(**{k: q.dequantize() for k, q in quantized.items()}), quantized
+
+
+def reencode_fields(state, fields, quantized):
+  """The step's new ``state`` with the fields that came in quantized encoded again, each
+  leaf in its own format and block size."""
+  new = {}
+  for f in fields:
+    if f.name not in quantized:
+      continue
+    old = quantized[f.name]
+    values, treedef = jax.tree.flatten(getattr(state, f.name))
+    old_codes = jax.tree.leaves(old.codes)
+    old_scales = jax.tree.leaves(old.absmax, is_leaf=_masked)
+    codes, scales = [], []
+    for x, c, a in zip(values, old_codes, old_scales):
+      if _masked(a):
+        codes.append(x)
+        scales.append(a)
+        continue
+      # A row of one block is its own length: any power of two that covers it.
+      bs = (Quantized8bit(c, a).block_size if a.shape[-1] > 1
+            else max(2, 1 << (c.shape[-1] - 1).bit_length()))
+      q = quantize_blockwise(x, signed=not f.nonneg, block_size=bs,
+                             state_quantization=format_of(c))
+      codes.append(q.codes)
+      scales.append(q.absmax)
+    new[f.name] = Quantized8bit(jax.tree.unflatten(treedef, codes),
+                                jax.tree.unflatten(treedef, scales))
+  return state._replace(**new)

@@ -1,0 +1,136 @@
+"""8-bit state for any optimizer (``state_quantization="dynamic8"`` or ``"fp8"``), against
+independent references: optax's own optimizer for the float32 step, and the formats
+written out in numpy (tests/test_adam8bit.py's dynamic map, tests/test_fp8_state.py's fp8)
+for what is stored.
+
+Each step the optax optimizer gets the same gradients and, in place of its own moments,
+the values our quantized state stands for: its updates must equal ours, and our new state
+must be the numpy format of its new moments."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optirs_jax
+from optirs_jax.quantization import Quantized8bit, state_nbytes
+from optirs_jax.transforms import REGISTRY
+from tests.states import assert_quantized_close
+from tests.test_adam8bit import _np_quantize
+from tests.test_fp8_state import _np_fp8
+
+OPTIMIZERS = [("adam", {}), ("adamw", {"weight_decay": 0.1}), ("lamb", {}), ("lion", {}),
+              ("sgd", {"momentum": 0.9}), ("rmsprop", {"centered": True, "momentum": 0.5}),
+              ("adagrad", {})]
+# Every optimizer and format on the reference; the kernels (interpret mode here) on one format.
+CASES = [(o, fmt, "jnp") for o in OPTIMIZERS for fmt in ("dynamic8", "fp8")] + [
+    (o, "dynamic8", "pallas") for o in OPTIMIZERS]
+SHAPES = {"w": (8, 512), "e": (3, 700), "b": (37,)}  # w, e quantized (e: a short last block)
+
+
+def _tree(seed, scale=1.0):
+  rng = np.random.default_rng(seed)
+  return {k: jnp.asarray(scale * rng.standard_normal(s), jnp.float32) for k, s in SHAPES.items()}
+
+
+def _np_format(x, signed: bool, fmt: str) -> np.ndarray:
+  """The values the numpy reference of ``fmt`` stores for ``x`` (blocks of 256)."""
+  if fmt == "fp8":
+    return _np_fp8(np.asarray(x), 256)[2]
+  return _np_quantize(np.asarray(x), signed, 256)[0]
+
+
+def _field(state, name):
+  return getattr(state, name)
+
+
+@pytest.mark.parametrize("opt, fmt, backend", CASES,
+                         ids=[f"{o[0]}-{f}-{b}" for o, f, b in CASES])
+def test_steps_are_optax_on_the_stored_values_and_store_the_numpy_format(opt, fmt, backend,
+                                                                        standard_promotion):
+  name, kw = opt
+  entry = REGISTRY[name]
+  ours = getattr(optirs_jax, name)(1e-2, **kw, state_quantization=fmt, min_quantized_size=1024,
+                                   backend=backend)
+  ref = entry.optax(1e-2, **kw)
+  signed = {f.name: not f.nonneg for f in entry.spec.fields}
+  params = _tree(0)
+  s, rs = ours.init(params), ref.init(params)
+  for field, _, _ in entry.moments:
+    q = _field(s, field)
+    if q is None:
+      continue
+    assert isinstance(q, Quantized8bit)
+    assert isinstance(q.absmax["b"], optax.MaskedNode) and q.codes["b"].dtype == jnp.float32
+    assert q.codes["w"].dtype == {"fp8": jnp.float8_e4m3fn, "dynamic8":
+                                  jnp.int8 if signed[field] else jnp.uint8}[fmt]
+    assert q.absmax["w"].shape == (8, 2) and q.absmax["e"].shape == (3, 3)
+  for t in range(3):
+    g = _tree(10 + t, 0.1)
+    # optax starts this step from what our state stands for.
+    rs = list(rs)
+    for field, index, theirs in entry.moments:
+      if _field(s, field) is not None:
+        rs[index] = rs[index]._replace(**{theirs: _field(s, field).dequantize()})
+    rs = tuple(rs)
+    u, s = jax.jit(ours.update)(g, s, params)
+    ru, rs = jax.jit(ref.update)(g, rs, params)
+    # Centered RMSprop divides by sqrt(nu - mu^2): where the two nearly cancel, one ulp of
+    # a multiply-add XLA contracts in one program and not in the other shows as 1e-5.
+    chex.assert_trees_all_close(u, ru, rtol=5e-5 if kw.get("centered") else 1e-6, atol=1e-9)
+    for field, index, theirs in entry.moments:
+      q = _field(s, field)
+      if q is None:
+        continue
+      want = getattr(rs[index], theirs)
+      np.testing.assert_allclose(q.codes["b"], want["b"], rtol=1e-6, atol=1e-9)
+      values = q.dequantize()
+      for k in ("w", "e"):
+        ref_values = _np_format(want[k], signed[field], fmt)
+        assert np.mean(np.isclose(values[k], ref_values, rtol=1e-5, atol=0)) > 0.999, (field, k)
+        np.testing.assert_allclose(values[k], ref_values, rtol=0.15,
+                                   atol=1e-3 * float(np.abs(ref_values).max()))
+    params = optax.apply_updates(params, u)
+
+
+@pytest.mark.parametrize("name, kw", [("lion", {}), ("rmsprop", {}), ("adam", {})])
+@pytest.mark.parametrize("fmt", ["dynamic8", "fp8"])
+def test_large_leaves_take_about_a_quarter_of_the_bytes(name, kw, fmt):
+  params = {"a": jnp.zeros((64, 1024)), "b": jnp.zeros((1024, 768))}
+  q = getattr(optirs_jax, name)(1e-3, **kw, state_quantization=fmt).init(params)
+  f32 = getattr(optirs_jax, name)(1e-3, **kw).init(params)
+  assert state_nbytes(q) <= 0.27 * state_nbytes(f32)
+
+
+@pytest.mark.parametrize("fmt", ["dynamic8", "fp8"])
+def test_fused_apply_equals_update_and_the_state_goes_through_jit_and_donation(fmt):
+  tx = optirs_jax.lion(1e-3, state_quantization=fmt, min_quantized_size=1024)
+  params, g = _tree(0), _tree(1, 0.1)
+  state = tx.init(params)
+  u, s_upd = jax.jit(tx.update)(g, state, params)
+  step = jax.jit(lambda p, s, g: optirs_jax.apply(tx, g, s, p), donate_argnums=(0, 1))
+  p_app, s_app = step(jax.tree.map(jnp.copy, params), tx.init(params), g)
+  chex.assert_trees_all_close(p_app, optax.apply_updates(params, u), rtol=1e-6, atol=1e-9)
+  assert_quantized_close(s_app.mu, s_upd.mu, step_rtol=0.15)
+
+
+def test_inject_hyperparams_keeps_the_format():
+  tx = optax.inject_hyperparams(optirs_jax.sgd, static_args=("state_quantization",))(
+      learning_rate=0.1, momentum=0.9, state_quantization="fp8", min_quantized_size=1024)
+  params = _tree(0)
+  s = tx.init(params)
+  _, s = jax.jit(tx.update)(_tree(1), s, params)
+  assert s.inner_state.trace.codes["w"].dtype == jnp.float8_e4m3fn
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"state_quantization": "int4"}, r"state_quantization='int4' is not one of \('dynamic8', "
+                                     r"'fp8'\)"),
+    ({"state_quantization": "fp8", "quantization_block_size": 100}, "power of two"),
+    ({"state_quantization": "fp8", "min_quantized_size": -1}, r"min_quantized_size=-1 must be"),
+])
+def test_bad_arguments_name_the_value(kw, match):
+  with pytest.raises(ValueError, match=match):
+    optirs_jax.lion(1e-3, **kw)
