@@ -367,6 +367,36 @@ def test_8bit_state_is_sharded_as_the_params_and_nothing_is_gathered(make, backe
       assert not re.findall(r"all-reduce\(", hlo)
 
 
+# state_quantization on the other optimizers (their float32 step between a decode and an
+# encode): Lion (one signed field) and AdamW (a non-negative one too), both formats.
+QUANTIZED_STATE = [(name, fmt, layout, axis) for name in ("lion", "adamw")
+                   for fmt in ("dynamic8", "fp8") for layout in ("fsdp", "tp")
+                   for axis in ("Auto", "Explicit")]
+
+
+@pytest.mark.parametrize("name, fmt, layout, axis_type", QUANTIZED_STATE,
+                         ids=["-".join(c) for c in QUANTIZED_STATE])
+def test_quantized_state_is_sharded_as_the_params_and_nothing_is_gathered(name, fmt, layout,
+                                                                          axis_type):
+  mesh = jax.make_mesh((4, 2), ("a", "b"), axis_types=(getattr(AxisType, axis_type),) * 2)
+  specs = LAYOUTS_8BIT[layout]
+  params, grads = tree(0, SHAPES_8BIT), jax.tree.map(lambda x: 0.5 * x + 0.1, tree(1, SHAPES_8BIT))
+  tx = getattr(optirs_jax, name)(1e-2, state_quantization=fmt, min_quantized_size=1024)
+  fused = jax.jit(lambda p, s, g: optirs_jax.apply(tx, g, s, p))
+  want = fused(params, tx.init(params), grads)
+  with jax.set_mesh(mesh):
+    p, g = place(params, mesh, specs), place(grads, mesh, specs)
+    s = tx.init(p)
+    got = fused(p, s, g)
+    hlo = fused.lower(p, s, g).compile().as_text()
+  chex.assert_trees_all_close(got, want, rtol=1e-6, atol=1e-7)
+  for k, spec in specs.items():
+    for x in (got[0][k], got[1].mu.codes[k]):
+      assert x.sharding.is_equivalent_to(NamedSharding(mesh, spec), x.ndim), (k, spec)
+  assert "all-gather" not in hlo and "all-to-all" not in hlo
+  assert not re.findall(r"all-reduce\(", hlo)
+
+
 @pytest.mark.parametrize("backend", ["jnp", "pallas"])
 def test_8bit_inside_shard_map_runs_on_the_local_shards(backend):
   mesh = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Explicit,))

@@ -57,6 +57,16 @@ def magnitude_table(bits: int) -> jax.Array:
   return jnp.asarray(_magnitudes(bits))
 
 
+def _lookup(table, idx: jax.Array) -> jax.Array:
+  """``table[idx]``: a gather from an array, or a load from a kernel's ``Ref``; where the
+  indices are sharded on an Explicit mesh, the values are sharded as they are."""
+  sharding = getattr(jax.typeof(idx), "sharding", None)
+  spec = getattr(sharding, "spec", ())
+  if any(s is not None for s in spec):
+    return table.at[idx].get(out_sharding=sharding)
+  return table[idx]
+
+
 def encode_magnitude(a: jax.Array, bits: int, table=None) -> jax.Array:
   """The nearest magnitude code (``int32`` in ``[0, 2^bits)``) of ``a`` in [0, 1].
 
@@ -66,12 +76,12 @@ def encode_magnitude(a: jax.Array, bits: int, table=None) -> jax.Array:
   table = magnitude_table(bits) if table is None else table
   top = (1 << bits) - 1
   a = a.astype(jnp.float32)
-  m0 = jnp.zeros(a.shape, jnp.int32)
+  m0 = jnp.zeros_like(a, jnp.int32)  # (sharded as a, on an Explicit mesh)
   for step in (1 << t for t in reversed(range(bits))):
     cand = m0 + step
-    m0 = jnp.where(table[cand] <= a, cand, m0)
+    m0 = jnp.where(_lookup(table, cand) <= a, cand, m0)
   m1 = jnp.minimum(m0 + 1, top)
-  return jnp.where(table[m1] - a < a - table[m0], m1, m0)
+  return jnp.where(_lookup(table, m1) - a < a - _lookup(table, m0), m1, m0)
 
 
 def encode_signed(x: jax.Array, table=None) -> jax.Array:
@@ -83,7 +93,7 @@ def encode_signed(x: jax.Array, table=None) -> jax.Array:
 def decode_signed(c: jax.Array, table=None) -> jax.Array:
   table = magnitude_table(SIGNED_BITS) if table is None else table
   c = c.astype(jnp.int32)
-  mag = table[jnp.abs(c)]
+  mag = _lookup(table, jnp.abs(c))
   return jnp.where(c < 0, -mag, mag)
 
 
@@ -94,7 +104,7 @@ def encode_unsigned(x: jax.Array, table=None) -> jax.Array:
 
 def decode_unsigned(c: jax.Array, table=None) -> jax.Array:
   table = magnitude_table(UNSIGNED_BITS) if table is None else table
-  return table[c.astype(jnp.int32)]
+  return _lookup(table, c.astype(jnp.int32))
 
 
 def code_map(signed: bool) -> np.ndarray:
