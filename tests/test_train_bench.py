@@ -80,6 +80,9 @@ def test_a_tiny_run_trains_each_configuration_and_optirs_matches_optax(tmp_path)
     assert r["parameters"] == GPTConfig.preset("tiny").parameters()
     assert r["ms"] > 0 and r["tokens_per_s"] > 0 and r["first_call_s"] > 0
     assert r["kernel_ms"] is None  # no device plane in a CPU trace
+    compiled = r["compiled"]  # the step, the gradients and the optimizer, compiled
+    assert compiled["step"]["fusions"] > compiled["gradients"]["fusions"] > 0
+    assert compiled["optimizer"]["fusions"] > 0 and compiled["step"]["custom_calls"] == 0
   assert results["optirs-fused"]["path"] == "fused: chain(clip_by_global_norm, adamw)"
   assert results["optax"]["path"].startswith("update + apply_updates")
   assert results["bf16-master"]["path"].startswith("fused: with_loss_scaling(master_weights(")
@@ -90,6 +93,7 @@ def test_a_tiny_run_trains_each_configuration_and_optirs_matches_optax(tmp_path)
     np.testing.assert_array_equal([e["held_out"] for e in results[ours]["evals"]],
                                   [e["held_out"] for e in results[theirs]["evals"]])
   assert "optirs-fused" in proc.stdout and "held-out" in proc.stdout  # the table
+  assert "what XLA fuses into or adds around the optimizer" in proc.stdout
 
 
 def test_bad_arguments_name_the_value_and_the_valid_ones():

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -131,6 +132,13 @@ def check_configs(names) -> list[str]:
   return list(names)
 
 
+def hlo_kernels(text: str) -> dict:
+  """``{"fusions", "custom_calls"}`` of a compiled program's entry computation."""
+  entry = text[text.index("ENTRY"):]
+  return {"fusions": len(re.findall(r"= \S+ fusion\(", entry)),
+          "custom_calls": len(re.findall(r"custom-call\(", entry))}
+
+
 class Run:
   """A configuration's model and optimizer state, and its jitted steps.
 
@@ -222,3 +230,15 @@ class Run:
 
   def optimizer_only(self, grads) -> None:
     self.state = self._opt_step(self.state, grads)
+
+  def kernels(self, batch: jax.Array) -> dict:
+    """Fusions and custom calls (the Pallas kernels) of the compiled whole step, of the
+    gradients alone and of the optimizer alone: what XLA fuses into or adds around the
+    optimizer inside the step (``step - gradients`` against ``optimizer``)."""
+    grads = jax.eval_shape(self._grads, self.state, batch)
+    out = {}
+    for what, fn, args in (("step", self._step, (self.state, batch)),
+                           ("gradients", self._grads, (self.state, batch)),
+                           ("optimizer", self._opt_step, (self.state, grads))):
+      out[what] = hlo_kernels(fn.lower(*args).compile().as_text())
+    return out

@@ -151,6 +151,7 @@ def measure(args) -> dict:
 
   timing.block(opt(None))
   opt_kernel, _ = timing.kernel_seconds_per_step(opt, None, args.timing_steps)
+  kernels = run.kernels(batch)
   stats = jax.devices()[0].memory_stats() or {}
   tokens = args.batch * context
   return {"config": args.one, "path": run.path, "parameters": run.parameters,
@@ -161,6 +162,7 @@ def measure(args) -> dict:
           "top_kernels": [{"name": n, "ms": sec * 1e3, "calls": c}
                           for n, sec, c in profile["top"]],
           "optimizer_kernel_ms": None if opt_kernel is None else opt_kernel * 1e3,
+          "compiled": kernels,
           "peak_bytes": stats.get("peak_bytes_in_use"), "losses": losses, "evals": evals}
 
 
@@ -266,6 +268,15 @@ def table(results: dict) -> str:
                 f"{fmt(r['kernel_ms'], '10.2f')} {fmt(r['optimizer_kernel_ms'], '8.3f')} "
                 f"{r['tokens_per_s']:>10.0f} {fmt(peak, '9.2f')} "
                 f"{r['evals'][-1]['held_out']:>9.4f}  {r['path']}")
+  rows.append("# what XLA fuses into or adds around the optimizer inside the step: the "
+              "compiled step's fusions + kernels minus the gradients' alone, against the "
+              "optimizer's alone")
+  for name, r in results.items():
+    if "compiled" in r:
+      k = r["compiled"]
+      rows.append(f"{name:<18} in the step {k['step']['fusions'] - k['gradients']['fusions']:>5} "
+                  f"fusions + {k['step']['custom_calls']:>3} kernels; alone "
+                  f"{k['optimizer']['fusions']:>5} + {k['optimizer']['custom_calls']:>3}")
   return "\n".join(rows)
 
 
