@@ -44,7 +44,7 @@ ADABELIEF = OptimizerSpec(
     arguments=(("learning_rate", "schedule"), ("b1", "decay rate"), ("b2", "decay rate"),
                ("eps", "number"), ("eps_root", "number"), ("nesterov", "flag")) + ROUNDING,
     state=AdaBeliefState,
-    fields=(Field("mu"), Field("nu", pad=1.0)),
+    fields=(Field("mu"), Field("nu", pad=1.0, nonneg=True)),
     rule=adabelief_rule,
     hyper=("b1", "c1", "b2", "c2", "eps", "eps_root", "bc1", "bc1_next", "bc2", "neg_lr"),
     scalars=adam_scalars,
@@ -56,7 +56,9 @@ def adabelief(learning_rate: optax.ScalarOrSchedule, b1: jax.typing.ArrayLike = 
               b2: jax.typing.ArrayLike = 0.999, eps: jax.typing.ArrayLike = 1e-16,
               eps_root: jax.typing.ArrayLike = 1e-16, *, nesterov: bool = False,
               stochastic_rounding: bool = False, rounding_seed: int = 0, backend: str = "auto",
-              executor_options: ExecutorOptions | None = None
+              executor_options: ExecutorOptions | None = None,
+              state_quantization: str | None = None, quantization_block_size: int = 256,
+              min_quantized_size: int = 4096
               ) -> optax.GradientTransformationExtraArgs:
   r"""AdaBelief, fused; the same numbers as :func:`optax.adabelief`.
 
@@ -74,6 +76,8 @@ def adabelief(learning_rate: optax.ScalarOrSchedule, b1: jax.typing.ArrayLike = 
     eps_root: added to the second moment each step.
     nesterov: use Nesterov momentum (as :func:`~optirs_jax.nadam`).
     stochastic_rounding, rounding_seed, backend, executor_options: as in
+      :func:`~optirs_jax.adam`.
+    state_quantization, quantization_block_size, min_quantized_size: 8-bit state, as in
       :func:`~optirs_jax.adam`.
 
   Example:

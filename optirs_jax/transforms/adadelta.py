@@ -41,7 +41,7 @@ ADADELTA = OptimizerSpec(
     arguments=(("learning_rate", "optional schedule"), ("rho", "decay rate"), ("eps", "number"),
                ("weight_decay", "schedule"), ("mask", "mask")) + ROUNDING,
     state=AdadeltaState,
-    fields=(Field("e_g", pad=1.0), Field("e_x")),
+    fields=(Field("e_g", pad=1.0, nonneg=True), Field("e_x", nonneg=True)),
     rule=adadelta_rule,
     hyper=("rho", "c_rho", "eps", "wd", "neg_lr"),
     scalars=lambda o, count: dict(rho=o["rho"], c_rho=1 - o["rho"], eps=o["eps"]),
@@ -54,7 +54,9 @@ def adadelta(learning_rate: optax.ScalarOrSchedule | None = None,
              rho: jax.typing.ArrayLike = 0.9, eps: jax.typing.ArrayLike = 1e-6,
              weight_decay: optax.ScalarOrSchedule = 0.0, weight_decay_mask: Any = None, *,
              stochastic_rounding: bool = False, rounding_seed: int = 0, backend: str = "auto",
-             executor_options: ExecutorOptions | None = None
+             executor_options: ExecutorOptions | None = None,
+             state_quantization: str | None = None, quantization_block_size: int = 256,
+             min_quantized_size: int = 4096
              ) -> optax.GradientTransformationExtraArgs:
   r"""Adadelta, fused; the same numbers as :func:`optax.adadelta`.
 
@@ -77,6 +79,8 @@ def adadelta(learning_rate: optax.ScalarOrSchedule | None = None,
       schedule).
     weight_decay_mask: where the decay applies (a tree of bools or a callable returning one).
     stochastic_rounding, rounding_seed, backend, executor_options: as in
+      :func:`~optirs_jax.adam`.
+    state_quantization, quantization_block_size, min_quantized_size: 8-bit state, as in
       :func:`~optirs_jax.adam`.
 
   Example:

@@ -203,7 +203,9 @@ def nadam(learning_rate: optax.ScalarOrSchedule, b1: jax.typing.ArrayLike = 0.9,
           eps_root: jax.typing.ArrayLike = 0.0, mu_dtype: Any | None = None, *,
           nesterov: bool = True, nu_dtype: Any | None = None, stochastic_rounding: bool = False,
           rounding_seed: int = 0, backend: str = "auto",
-          executor_options: ExecutorOptions | None = None
+          executor_options: ExecutorOptions | None = None,
+          state_quantization: str | None = None, quantization_block_size: int = 256,
+          min_quantized_size: int = 4096
           ) -> optax.GradientTransformationExtraArgs:
   r"""NAdam: :func:`adam` with Nesterov momentum; the same numbers as :func:`optax.nadam`.
 
@@ -216,6 +218,8 @@ def nadam(learning_rate: optax.ScalarOrSchedule, b1: jax.typing.ArrayLike = 0.9,
       :func:`adam`.
     nesterov: True (NAdam); False is :func:`adam`.
     rounding_seed, backend, executor_options: as in :func:`adam`.
+    state_quantization, quantization_block_size, min_quantized_size: 8-bit state, as in
+      :func:`~optirs_jax.adam`.
 
   Example:
     >>> import jax.numpy as jnp, optirs_jax
@@ -237,7 +241,9 @@ def nadamw(learning_rate: optax.ScalarOrSchedule, b1: jax.typing.ArrayLike = 0.9
            weight_decay: optax.ScalarOrSchedule = 1e-4, mask: Any = None, *,
            nesterov: bool = True, nu_dtype: Any | None = None,
            stochastic_rounding: bool = False, rounding_seed: int = 0, backend: str = "auto",
-           executor_options: ExecutorOptions | None = None
+           executor_options: ExecutorOptions | None = None,
+           state_quantization: str | None = None, quantization_block_size: int = 256,
+           min_quantized_size: int = 4096
            ) -> optax.GradientTransformationExtraArgs:
   r"""NAdamW: :func:`nadam` with decoupled weight decay (:func:`adamw`'s); the same numbers
   as :func:`optax.nadamw`.
@@ -252,6 +258,8 @@ def nadamw(learning_rate: optax.ScalarOrSchedule, b1: jax.typing.ArrayLike = 0.9
     learning_rate, b1, b2, eps, eps_root, mu_dtype, weight_decay, mask: as in :func:`adamw`.
     nesterov, nu_dtype, stochastic_rounding, rounding_seed, backend, executor_options: as in
       :func:`nadam`.
+    state_quantization, quantization_block_size, min_quantized_size: 8-bit state, as in
+      :func:`~optirs_jax.adam`.
 
   Example:
     >>> import jax.numpy as jnp, optirs_jax

@@ -33,7 +33,7 @@ ADAMAXW = OptimizerSpec(
     arguments=(("learning_rate", "schedule"), ("b1", "decay rate"), ("b2", "decay rate"),
                ("eps", "number"), ("weight_decay", "schedule"), ("mask", "mask")) + ROUNDING,
     state=AdamState,
-    fields=(Field("mu"), Field("nu", pad=1.0)),
+    fields=(Field("mu"), Field("nu", pad=1.0, nonneg=True)),
     rule=adamax_rule,
     hyper=("b1", "c1", "b2", "eps", "bc1", "wd", "neg_lr"),
     scalars=lambda o, count: adam_scalars(dict(o, eps_root=0.0), count),
@@ -45,7 +45,9 @@ ADAMAX = dataclasses.replace(ADAMAXW, name="adamax")
 def adamax(learning_rate: optax.ScalarOrSchedule, b1: jax.typing.ArrayLike = 0.9,
            b2: jax.typing.ArrayLike = 0.999, eps: jax.typing.ArrayLike = 1e-8, *,
            stochastic_rounding: bool = False, rounding_seed: int = 0, backend: str = "auto",
-           executor_options: ExecutorOptions | None = None
+           executor_options: ExecutorOptions | None = None,
+           state_quantization: str | None = None, quantization_block_size: int = 256,
+           min_quantized_size: int = 4096
            ) -> optax.GradientTransformationExtraArgs:
   r"""AdaMax, fused; the same numbers as :func:`optax.adamax`.
 
@@ -60,6 +62,8 @@ def adamax(learning_rate: optax.ScalarOrSchedule, b1: jax.typing.ArrayLike = 0.9
     b2: the infinity norm's decay rate.
     eps: added to :math:`|g|` (it keeps :math:`v` above 0).
     stochastic_rounding, rounding_seed, backend, executor_options: as in
+      :func:`~optirs_jax.adam`.
+    state_quantization, quantization_block_size, min_quantized_size: 8-bit state, as in
       :func:`~optirs_jax.adam`.
 
   Example:
@@ -80,7 +84,9 @@ def adamaxw(learning_rate: optax.ScalarOrSchedule, b1: jax.typing.ArrayLike = 0.
             b2: jax.typing.ArrayLike = 0.999, eps: jax.typing.ArrayLike = 1e-8,
             weight_decay: optax.ScalarOrSchedule = 1e-4, mask: Any = None, *,
             stochastic_rounding: bool = False, rounding_seed: int = 0, backend: str = "auto",
-            executor_options: ExecutorOptions | None = None
+            executor_options: ExecutorOptions | None = None,
+            state_quantization: str | None = None, quantization_block_size: int = 256,
+            min_quantized_size: int = 4096
             ) -> optax.GradientTransformationExtraArgs:
   r"""AdaMaxW: :func:`adamax` with decoupled weight decay; the same numbers as
   :func:`optax.adamaxw`.
@@ -93,6 +99,8 @@ def adamaxw(learning_rate: optax.ScalarOrSchedule, b1: jax.typing.ArrayLike = 0.
     mask: a tree of bools (or a prefix of the params tree), or a callable returning one,
       ``True`` where the decay applies.
     stochastic_rounding, rounding_seed, backend, executor_options: as in
+      :func:`~optirs_jax.adam`.
+    state_quantization, quantization_block_size, min_quantized_size: 8-bit state, as in
       :func:`~optirs_jax.adam`.
 
   Example:

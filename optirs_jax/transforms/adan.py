@@ -56,7 +56,7 @@ ADAN = OptimizerSpec(
                ("b3", "decay rate"), ("eps", "number"), ("eps_root", "number"),
                ("weight_decay", "schedule"), ("mask", "mask")) + ROUNDING,
     state=AdanState,
-    fields=(Field("m"), Field("v"), Field("n", pad=1.0), Field("g_prev")),
+    fields=(Field("m"), Field("v"), Field("n", pad=1.0, nonneg=True), Field("g_prev")),
     rule=adan_rule,
     hyper=("b1", "c1", "b2", "c2", "b3", "c3", "eps", "eps_root", "bc1", "bc2", "bc3", "first",
            "wd", "neg_lr"),
@@ -70,7 +70,9 @@ def adan(learning_rate: optax.ScalarOrSchedule, b1: jax.typing.ArrayLike = 0.98,
          eps: jax.typing.ArrayLike = 1e-8, eps_root: jax.typing.ArrayLike = 1e-8,
          weight_decay: optax.ScalarOrSchedule = 0.0, mask: Any = None, *,
          stochastic_rounding: bool = False, rounding_seed: int = 0, backend: str = "auto",
-         executor_options: ExecutorOptions | None = None
+         executor_options: ExecutorOptions | None = None,
+         state_quantization: str | None = None, quantization_block_size: int = 256,
+         min_quantized_size: int = 4096
          ) -> optax.GradientTransformationExtraArgs:
   r"""Adan (adaptive Nesterov momentum), fused; the same numbers as :func:`optax.adan`.
 
@@ -94,6 +96,8 @@ def adan(learning_rate: optax.ScalarOrSchedule, b1: jax.typing.ArrayLike = 0.98,
     weight_decay: decoupled decay :math:`\lambda` (a number or a schedule).
     mask: where the decay applies (a tree of bools or a callable returning one).
     stochastic_rounding, rounding_seed, backend, executor_options: as in
+      :func:`~optirs_jax.adam`.
+    state_quantization, quantization_block_size, min_quantized_size: 8-bit state, as in
       :func:`~optirs_jax.adam`.
 
   Example:

@@ -45,7 +45,8 @@ AMSGRAD = OptimizerSpec(
                ("eps", "number"), ("eps_root", "number"), ("mu_dtype", "dtype"),
                ("bias_correction_mu", "flag"), ("bias_correction_nu", "flag")) + ROUNDING,
     state=AmsgradState,
-    fields=(Field("mu", dtype="mu_dtype"), Field("nu", pad=1.0), Field("nu_max", pad=1.0)),
+    fields=(Field("mu", dtype="mu_dtype"), Field("nu", pad=1.0, nonneg=True),
+            Field("nu_max", pad=1.0, nonneg=True)),
     rule=amsgrad_rule,
     hyper=("b1", "c1", "b2", "c2", "eps", "eps_root", "bc1", "bc2", "neg_lr"),
     scalars=adam_scalars,
@@ -60,7 +61,9 @@ def amsgrad(learning_rate: optax.ScalarOrSchedule, b1: jax.typing.ArrayLike = 0.
             eps_root: jax.typing.ArrayLike = 0.0, mu_dtype: Any | None = None,
             bias_correction_mu: bool = True, bias_correction_nu: bool = True, *,
             stochastic_rounding: bool = False, rounding_seed: int = 0, backend: str = "auto",
-            executor_options: ExecutorOptions | None = None
+            executor_options: ExecutorOptions | None = None,
+            state_quantization: str | None = None, quantization_block_size: int = 256,
+            min_quantized_size: int = 4096
             ) -> optax.GradientTransformationExtraArgs:
   r"""AMSGrad, fused; the same numbers as :func:`optax.amsgrad`.
 
@@ -80,6 +83,8 @@ def amsgrad(learning_rate: optax.ScalarOrSchedule, b1: jax.typing.ArrayLike = 0.
     mu_dtype: dtype of the first moment; ``None``: the updates' dtype.
     bias_correction_mu, bias_correction_nu: correct the first, the second moment's bias.
     stochastic_rounding, rounding_seed, backend, executor_options: as in
+      :func:`~optirs_jax.adam`.
+    state_quantization, quantization_block_size, min_quantized_size: 8-bit state, as in
       :func:`~optirs_jax.adam`.
 
   Example:

@@ -85,7 +85,9 @@ def lars(learning_rate: optax.ScalarOrSchedule, weight_decay: optax.ScalarOrSche
          momentum: jax.typing.ArrayLike = 0.9, nesterov: bool = False, *,
          axis_name: str | tuple[str, ...] | None = None, stochastic_rounding: bool = False,
          rounding_seed: int = 0, backend: str = "auto",
-         executor_options: ExecutorOptions | None = None
+         executor_options: ExecutorOptions | None = None,
+         state_quantization: str | None = None, quantization_block_size: int = 256,
+         min_quantized_size: int = 4096
          ) -> optax.GradientTransformationExtraArgs:
   r"""LARS, with per-leaf norms fused (two passes); the same numbers as :func:`optax.lars`.
 
@@ -113,6 +115,8 @@ def lars(learning_rate: optax.ScalarOrSchedule, weight_decay: optax.ScalarOrSche
     axis_name: inside a ``shard_map`` whose leaves are sharded over these mesh axes, the
       norms are of the whole leaves (as in :func:`~optirs_jax.lamb`).
     stochastic_rounding, rounding_seed, backend, executor_options: as in
+      :func:`~optirs_jax.adam`.
+    state_quantization, quantization_block_size, min_quantized_size: 8-bit state, as in
       :func:`~optirs_jax.adam`.
 
   Example:

@@ -74,7 +74,9 @@ def novograd(learning_rate: optax.ScalarOrSchedule, b1: jax.typing.ArrayLike = 0
              eps_root: jax.typing.ArrayLike = 0.0, weight_decay: jax.typing.ArrayLike = 0.0, *,
              axis_name: str | tuple[str, ...] | None = None, stochastic_rounding: bool = False,
              rounding_seed: int = 0, backend: str = "auto",
-             executor_options: ExecutorOptions | None = None
+             executor_options: ExecutorOptions | None = None,
+             state_quantization: str | None = None, quantization_block_size: int = 256,
+             min_quantized_size: int = 4096
              ) -> optax.GradientTransformationExtraArgs:
   r"""NovoGrad, with per-leaf norms fused; the same numbers as :func:`optax.novograd`.
 
@@ -101,6 +103,8 @@ def novograd(learning_rate: optax.ScalarOrSchedule, b1: jax.typing.ArrayLike = 0
       norms are of the whole leaves (as in :func:`~optirs_jax.lamb`); ``None``: of the local
       shards.
     stochastic_rounding, rounding_seed, backend, executor_options: as in
+      :func:`~optirs_jax.adam`.
+    state_quantization, quantization_block_size, min_quantized_size: 8-bit state, as in
       :func:`~optirs_jax.adam`.
 
   Example:

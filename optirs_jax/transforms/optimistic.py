@@ -75,7 +75,8 @@ OPTIMISTIC_ADAM = OptimizerSpec(
                ("b1", "decay rate"), ("b2", "decay rate"), ("eps", "number"),
                ("eps_root", "number"), ("mu_dtype", "dtype"), ("nesterov", "flag")) + ROUNDING,
     state=OptimisticAdamState,
-    fields=(Field("mu", dtype="mu_dtype"), Field("nu", pad=1.0), Field("previous_gradient")),
+    fields=(Field("mu", dtype="mu_dtype"), Field("nu", pad=1.0, nonneg=True),
+            Field("previous_gradient")),
     rule=optimistic_adam_rule,
     hyper=("b1", "c1", "b2", "c2", "eps", "eps_root", "bc1", "bc1_next", "bc2", "alpha_beta",
            "beta", "first", "neg_lr"),
@@ -89,7 +90,10 @@ def optimistic_gradient_descent(learning_rate: optax.ScalarOrSchedule,
                                 beta: jax.typing.ArrayLike = 1.0, *,
                                 stochastic_rounding: bool = False, rounding_seed: int = 0,
                                 backend: str = "auto",
-                                executor_options: ExecutorOptions | None = None
+                                executor_options: ExecutorOptions | None = None,
+                                state_quantization: str | None = None,
+                                quantization_block_size: int = 256,
+                                min_quantized_size: int = 4096
                                 ) -> optax.GradientTransformationExtraArgs:
   r"""Optimistic gradient descent, fused; the same numbers as
   :func:`optax.optimistic_gradient_descent`.
@@ -102,6 +106,8 @@ def optimistic_gradient_descent(learning_rate: optax.ScalarOrSchedule,
     learning_rate: a number, a scalar array or a schedule ``count -> lr``.
     alpha, beta: the weights of the gradient and of its change (numbers).
     stochastic_rounding, rounding_seed, backend, executor_options: as in
+      :func:`~optirs_jax.adam`.
+    state_quantization, quantization_block_size, min_quantized_size: 8-bit state, as in
       :func:`~optirs_jax.adam`.
 
   Example:
@@ -125,7 +131,9 @@ def optimistic_adam_v2(learning_rate: optax.ScalarOrSchedule, *,
                        eps: jax.typing.ArrayLike = 1e-8, eps_root: jax.typing.ArrayLike = 0.0,
                        mu_dtype: Any | None = None, nesterov: bool = True,
                        stochastic_rounding: bool = False, rounding_seed: int = 0,
-                       backend: str = "auto", executor_options: ExecutorOptions | None = None
+                       backend: str = "auto", executor_options: ExecutorOptions | None = None,
+                       state_quantization: str | None = None, quantization_block_size: int = 256,
+                       min_quantized_size: int = 4096
                        ) -> optax.GradientTransformationExtraArgs:
   r"""Optimistic Adam, fused; the same numbers as :func:`optax.optimistic_adam_v2`: the
   optimistic step (:func:`optimistic_gradient_descent`) on Adam's direction :math:`d_t`.
@@ -138,6 +146,8 @@ def optimistic_adam_v2(learning_rate: optax.ScalarOrSchedule, *,
     b1, b2, eps, eps_root, mu_dtype, nesterov: Adam's, as in :func:`~optirs_jax.adam`
       (Nesterov momentum by default, as optax's).
     stochastic_rounding, rounding_seed, backend, executor_options: as in
+      :func:`~optirs_jax.adam`.
+    state_quantization, quantization_block_size, min_quantized_size: 8-bit state, as in
       :func:`~optirs_jax.adam`.
 
   Example:

@@ -49,7 +49,7 @@ RADAM = OptimizerSpec(
                ("eps", "number"), ("eps_root", "number"), ("threshold", "number"),
                ("nesterov", "flag")) + ROUNDING,
     state=AdamState,
-    fields=(Field("mu"), Field("nu", pad=1.0)),
+    fields=(Field("mu"), Field("nu", pad=1.0, nonneg=True)),
     rule=radam_rule,
     hyper=("b1", "c1", "b2", "c2", "eps", "eps_root", "bc1", "bc1_next", "bc2", "ro", "r",
            "threshold", "neg_lr"),
@@ -62,7 +62,9 @@ def radam(learning_rate: optax.ScalarOrSchedule, b1: jax.typing.ArrayLike = 0.9,
           b2: jax.typing.ArrayLike = 0.999, eps: jax.typing.ArrayLike = 1e-8,
           eps_root: jax.typing.ArrayLike = 0.0, threshold: jax.typing.ArrayLike = 5.0, *,
           nesterov: bool = False, stochastic_rounding: bool = False, rounding_seed: int = 0,
-          backend: str = "auto", executor_options: ExecutorOptions | None = None
+          backend: str = "auto", executor_options: ExecutorOptions | None = None,
+          state_quantization: str | None = None, quantization_block_size: int = 256,
+          min_quantized_size: int = 4096
           ) -> optax.GradientTransformationExtraArgs:
   r"""RAdam, fused; the same numbers as :func:`optax.radam`.
 
@@ -86,6 +88,8 @@ def radam(learning_rate: optax.ScalarOrSchedule, b1: jax.typing.ArrayLike = 0.9,
     threshold: :math:`\tau`, where the rectified step starts.
     nesterov: use Nesterov momentum (as :func:`~optirs_jax.nadam`).
     stochastic_rounding, rounding_seed, backend, executor_options: as in
+      :func:`~optirs_jax.adam`.
+    state_quantization, quantization_block_size, min_quantized_size: 8-bit state, as in
       :func:`~optirs_jax.adam`.
 
   Example:

@@ -41,7 +41,7 @@ RPROP = OptimizerSpec(
     arguments=(("learning_rate", "number"), ("eta_minus", "number"), ("eta_plus", "number"),
                ("min_step_size", "number"), ("max_step_size", "number")) + ROUNDING,
     state=RpropState,
-    fields=(Field("step_sizes", init="learning_rate"), Field("prev_updates")),
+    fields=(Field("step_sizes", init="learning_rate", nonneg=True), Field("prev_updates")),
     rule=rprop_rule,
     hyper=("eta_minus", "eta_plus", "min_step_size", "max_step_size"),
     scalars=lambda o, count: {k: o[k] for k in ("eta_minus", "eta_plus", "min_step_size",
@@ -53,7 +53,9 @@ def rprop(learning_rate: jax.typing.ArrayLike, eta_minus: jax.typing.ArrayLike =
           eta_plus: jax.typing.ArrayLike = 1.2, min_step_size: jax.typing.ArrayLike = 1e-6,
           max_step_size: jax.typing.ArrayLike = 50.0, *, stochastic_rounding: bool = False,
           rounding_seed: int = 0, backend: str = "auto",
-          executor_options: ExecutorOptions | None = None
+          executor_options: ExecutorOptions | None = None,
+          state_quantization: str | None = None, quantization_block_size: int = 256,
+          min_quantized_size: int = 4096
           ) -> optax.GradientTransformationExtraArgs:
   r"""Rprop, fused; the same numbers as :func:`optax.rprop`.
 
@@ -75,6 +77,8 @@ def rprop(learning_rate: jax.typing.ArrayLike, eta_minus: jax.typing.ArrayLike =
     eta_minus, eta_plus: the factors that shrink and grow a step size.
     min_step_size, max_step_size: the step sizes' bounds.
     stochastic_rounding, rounding_seed, backend, executor_options: as in
+      :func:`~optirs_jax.adam`.
+    state_quantization, quantization_block_size, min_quantized_size: 8-bit state, as in
       :func:`~optirs_jax.adam`.
 
   Example:

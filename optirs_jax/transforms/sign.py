@@ -89,7 +89,9 @@ def sign_sgd(learning_rate: optax.ScalarOrSchedule, *, stochastic_rounding: bool
 def signum(learning_rate: optax.ScalarOrSchedule, beta: jax.typing.ArrayLike = 0.9,
            accumulator_dtype: Any | None = None, *, stochastic_rounding: bool = False,
            rounding_seed: int = 0, backend: str = "auto",
-           executor_options: ExecutorOptions | None = None
+           executor_options: ExecutorOptions | None = None,
+           state_quantization: str | None = None, quantization_block_size: int = 256,
+           min_quantized_size: int = 4096
            ) -> optax.GradientTransformationExtraArgs:
   r"""Signum (signSGD with momentum), fused; the same numbers as :func:`optax.signum`.
 
@@ -101,6 +103,8 @@ def signum(learning_rate: optax.ScalarOrSchedule, beta: jax.typing.ArrayLike = 0
     beta: the momentum's decay rate.
     accumulator_dtype: dtype of the momentum; ``None``: the updates' dtype.
     stochastic_rounding, rounding_seed, backend, executor_options: as in
+      :func:`~optirs_jax.adam`.
+    state_quantization, quantization_block_size, min_quantized_size: 8-bit state, as in
       :func:`~optirs_jax.adam`.
 
   Example:

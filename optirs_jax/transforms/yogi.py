@@ -34,7 +34,7 @@ YOGI = OptimizerSpec(
     arguments=(("learning_rate", "schedule"), ("b1", "decay rate"), ("b2", "decay rate"),
                ("eps", "number")) + ROUNDING,
     state=AdamState,
-    fields=(Field("mu", init=INITIAL), Field("nu", init=INITIAL, pad=1.0)),
+    fields=(Field("mu", init=INITIAL), Field("nu", init=INITIAL, pad=1.0, nonneg=True)),
     rule=yogi_rule,
     hyper=("b1", "c1", "c2", "eps", "eps_root", "bc1", "bc2", "neg_lr"),
     scalars=lambda o, count: adam_scalars(dict(o, eps_root=0.0), count),
@@ -44,7 +44,9 @@ YOGI = OptimizerSpec(
 def yogi(learning_rate: optax.ScalarOrSchedule, b1: jax.typing.ArrayLike = 0.9,
          b2: jax.typing.ArrayLike = 0.999, eps: jax.typing.ArrayLike = 1e-3, *,
          stochastic_rounding: bool = False, rounding_seed: int = 0, backend: str = "auto",
-         executor_options: ExecutorOptions | None = None
+         executor_options: ExecutorOptions | None = None,
+         state_quantization: str | None = None, quantization_block_size: int = 256,
+         min_quantized_size: int = 4096
          ) -> optax.GradientTransformationExtraArgs:
   r"""Yogi, fused; the same numbers as :func:`optax.yogi`.
 
@@ -62,6 +64,8 @@ def yogi(learning_rate: optax.ScalarOrSchedule, b1: jax.typing.ArrayLike = 0.9,
     b1, b2: the moments' decay rates.
     eps: added to the denominator (Yogi's default is large, 1e-3).
     stochastic_rounding, rounding_seed, backend, executor_options: as in
+      :func:`~optirs_jax.adam`.
+    state_quantization, quantization_block_size, min_quantized_size: 8-bit state, as in
       :func:`~optirs_jax.adam`.
 
   Example:
