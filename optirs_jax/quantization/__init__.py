@@ -7,7 +7,13 @@
 - :func:`adam8bit` and :func:`adamw8bit`: Adam whose moments are kept as 8-bit codes on a
   dynamic map with one float32 scale per block (about 75% less optimizer memory), updated
   in one Pallas pass on GPU.
-- :func:`quantize_blockwise`, :class:`Quantized8bit` and :func:`code_map`: the 8-bit format.
+- :func:`quantize_blockwise`, :class:`Quantized8bit` and :func:`code_map`: the 8-bit format
+  (its codes live in :mod:`optirs_jax.formats`).
+
+Every other optimizer with state takes ``state_quantization="dynamic8"`` or ``"fp8"``
+(with ``quantization_block_size`` and ``min_quantized_size``): its fields are stored in the
+same format, decoded before and encoded after its float32 step
+(``optirs_jax.lion(1e-4, state_quantization="fp8")``).
 """
 
 from optirs_jax.formats.blockwise import Quantized8bit, quantize_blockwise
