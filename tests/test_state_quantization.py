@@ -141,7 +141,8 @@ def test_inject_hyperparams_keeps_the_format():
 @pytest.mark.parametrize("kw, match", [
     ({"state_quantization": "int4"}, r"state_quantization='int4' is not one of \('dynamic8', "
                                      r"'fp8'\)"),
-    ({"state_quantization": "fp8", "quantization_block_size": 100}, "power of two"),
+    ({"state_quantization": "fp8", "quantization_block_size": 100},
+     r"quantization_block_size=100 must be a power of two"),
     ({"state_quantization": "fp8", "min_quantized_size": -1}, r"min_quantized_size=-1 must be"),
 ])
 def test_bad_arguments_name_the_value(kw, match):

@@ -65,10 +65,15 @@ def check(fn: str, arguments) -> Quantization | None:
     return None
   fmt = check_format(fn, fmt)
   bs = arguments.get("quantization_block_size", BLOCK_SIZE)
-  if not isinstance(bs, jax.core.Tracer):
-    bs = check_block_size(fn, bs)
-  else:
+  if isinstance(bs, jax.core.Tracer):
     bs = None
+  else:
+    try:
+      bs = check_block_size(fn, bs)
+    except ValueError:
+      raise ValueError(f"{fn}: quantization_block_size={bs!r} must be a power of two >= 2 (a "
+                       "concrete int: under optax.inject_hyperparams pass static_args="
+                       "('quantization_block_size',))") from None
   min_size = _concrete_int(fn, "min_quantized_size", arguments.get("min_quantized_size",
                                                                    MIN_SIZE), 0)
   return Quantization(fmt, bs, min_size)
