@@ -17,6 +17,7 @@ import optax
 import pytest
 
 import optirs_jax
+from optirs_jax import mixed_precision as mp
 from optirs_jax.quantization import Quantized8bit, state_nbytes
 from optirs_jax.transforms import REGISTRY
 from tests.states import assert_quantized_close
@@ -127,6 +128,35 @@ def test_fused_apply_equals_update_and_the_state_goes_through_jit_and_donation(f
   p_app, s_app = step(jax.tree.map(jnp.copy, params), tx.init(params), g)
   chex.assert_trees_all_close(p_app, optax.apply_updates(params, u), rtol=1e-6, atol=1e-9)
   assert_quantized_close(s_app.mu, s_upd.mu, step_rtol=0.15)
+
+
+def test_every_leaf_quantized_but_an_empty_one():
+  tx = optirs_jax.adamw(1e-3, state_quantization="dynamic8", min_quantized_size=0)
+  params = {"w": jnp.ones((3, 5)), "s": jnp.ones(()), "empty": jnp.ones((0, 4))}
+  state = tx.init(params)
+  assert state.nu.codes["w"].dtype == jnp.uint8 and state.mu.codes["w"].dtype == jnp.int8
+  assert all(isinstance(state.mu.absmax[k], optax.MaskedNode) for k in ("s", "empty"))
+  u, state = jax.jit(tx.update)(jax.tree.map(jnp.ones_like, params), state, params)
+  assert u["empty"].shape == (0, 4) and state.mu.codes["empty"].shape == (0, 4)
+
+
+@pytest.mark.parametrize("path", ["update", "apply"])
+def test_a_skipped_loss_scaled_step_leaves_the_quantized_state_as_it_was(path):
+  """A non-finite step decodes, keeps and encodes the state again: the same codes."""
+  tx = mp.with_loss_scaling(optirs_jax.adamw(1e-2, state_quantization="dynamic8",
+                                             min_quantized_size=1024))
+  params = _tree(0)
+  if path == "apply":
+    step = jax.jit(lambda g, s, p: optirs_jax.apply(tx, g, s, p))
+  else:
+    step = jax.jit(lambda g, s, p: (lambda u, s: (optax.apply_updates(p, u), s))(
+        *tx.update(g, s, p)))
+  params, state = step(_tree(1, 0.1), tx.init(params), params)  # one finite step first
+  bad = _tree(2, 0.1)
+  bad["w"] = bad["w"].at[3, 17].set(jnp.inf)
+  new_params, new_state = step(bad, state, params)
+  chex.assert_trees_all_equal(new_params, params)
+  chex.assert_trees_all_equal(new_state.inner_state, state.inner_state)
 
 
 def test_inject_hyperparams_keeps_the_format():

@@ -97,7 +97,7 @@ def encode_fields(fn: str, state, fields, q: Quantization):
     leaves, treedef = jax.tree.flatten(tree)
     codes, scales = [], []
     for x in leaves:
-      if x.ndim >= 1 and x.size >= q.min_size and x.dtype == jnp.float32:
+      if x.ndim >= 1 and x.size >= max(q.min_size, 1) and x.dtype == jnp.float32:
         c = quantize_blockwise(x, signed=not f.nonneg, block_size=q.block_size,
                                state_quantization=q.fmt)
         codes.append(c.codes)
