@@ -281,7 +281,7 @@ def _make(fn: str, learning_rate_, b1, b2, eps, weight_decay, block_size, min_8b
     n = len(gl)
     f32 = ([i for i in range(n) if not isinstance(mus[i], Quantized8bit)]
            if decoupled or not has_wd else [])
-    rest = [i for i in range(n) if i not in set(f32)]
+    rest = sorted(set(range(n)) - set(f32))
     first, new_mu, new_nu = [None] * n, [None] * n, [None] * n
     if f32:
       take = lambda xs: [xs[i] for i in f32]

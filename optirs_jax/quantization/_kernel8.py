@@ -36,9 +36,7 @@ def with_tables(hvec):
 
 
 def tables_of(hvec):
-  """``(signed map, unsigned map)`` of a :func:`with_tables` vector (None without them)."""
-  if hvec.shape[0] < NHP + sum(_TABLES):
-    return None, None
+  """``(signed map, unsigned map)`` of a :func:`with_tables` vector."""
   return hvec[NHP:NHP + _TABLES[0]], hvec[NHP + _TABLES[0]:NHP + sum(_TABLES)]
 
 
@@ -104,8 +102,7 @@ def leaf_step(hvec, p2, g2, muc, mua, nuc, nua, out_dtype, *, platform: str, l2:
     platform = "jnp"  # a row of one short block (Triton's blocks are powers of two)
   if platform == "jnp":
     return block_step(read_hyper(hvec, HYPER), *args, out_dtype, tables=tables_of(hvec), **kw)
-  tables = tables_of(hvec) if fmt == "dynamic8" else (None,)
-  tables = () if tables[0] is None else tables
+  tables = tables_of(hvec) if fmt == "dynamic8" else ()
   hvec, *args = sharding.vary_alike((hvec, *args, *tables))  # a kernel's operands vary alike
   args, tables = args[:6], args[6:]
   p2, muc, mua, nuc = args[0], args[2], args[3], args[4]
