@@ -83,30 +83,36 @@ def _masked(x) -> bool:
   return isinstance(x, optax.MaskedNode)
 
 
+def _encode(tree, plan, signed: bool) -> Quantized8bit:
+  """``tree`` as a :class:`Quantized8bit` of two trees: each leaf with a ``(block size,
+  format)`` in ``plan`` encoded, a leaf with None kept as it is."""
+  leaves, treedef = jax.tree.flatten(tree)
+  codes, scales = [], []
+  for x, how in zip(leaves, plan):
+    if how is None:
+      codes.append(x)
+      scales.append(optax.MaskedNode())
+      continue
+    c = quantize_blockwise(x, signed=signed, block_size=how[0], state_quantization=how[1])
+    codes.append(c.codes)
+    scales.append(c.absmax)
+  return Quantized8bit(jax.tree.unflatten(treedef, codes), jax.tree.unflatten(treedef, scales))
+
+
 def encode_fields(fn: str, state, fields, q: Quantization):
   """``state`` (fresh from init) with each field of ``fields`` quantized on its large float32
   leaves."""
   if q.block_size is None or q.min_size is None:
     raise ValueError(f"{fn}: quantization_block_size and min_quantized_size must be concrete "
                      "at init (under optax.inject_hyperparams pass them in static_args)")
+  eligible = lambda x: x.ndim >= 1 and x.size >= max(q.min_size, 1) and x.dtype == jnp.float32
   new = {}
   for f in fields:
     tree = getattr(state, f.name)
     if tree is None or f.per_leaf:
       continue
-    leaves, treedef = jax.tree.flatten(tree)
-    codes, scales = [], []
-    for x in leaves:
-      if x.ndim >= 1 and x.size >= max(q.min_size, 1) and x.dtype == jnp.float32:
-        c = quantize_blockwise(x, signed=not f.nonneg, block_size=q.block_size,
-                               state_quantization=q.fmt)
-        codes.append(c.codes)
-        scales.append(c.absmax)
-      else:
-        codes.append(x)
-        scales.append(optax.MaskedNode())
-    new[f.name] = Quantized8bit(jax.tree.unflatten(treedef, codes),
-                                jax.tree.unflatten(treedef, scales))
+    plan = [(q.block_size, q.fmt) if eligible(x) else None for x in jax.tree.leaves(tree)]
+    new[f.name] = _encode(tree, plan, signed=not f.nonneg)
   return state._replace(**new)
 
 
@@ -117,30 +123,24 @@ def decode_fields(state, fields):
   return state._replace(**{k: q.dequantize() for k, q in quantized.items()}), quantized
 
 
+def _plan_of(c, a):
+  """A stored leaf's ``(block size, format)``, None where it is kept (a masked scale). A row
+  of one block is its own length: any power of two that covers it."""
+  if _masked(a):
+    return None
+  bs = (Quantized8bit(c, a).block_size if a.shape[-1] > 1
+        else max(2, 1 << (c.shape[-1] - 1).bit_length()))
+  return bs, format_of(c)
+
+
 def reencode_fields(state, fields, quantized):
   """The step's new ``state`` with the fields that came in quantized encoded again, each
   leaf in its own format and block size."""
   new = {}
   for f in fields:
-    if f.name not in quantized:
-      continue
-    old = quantized[f.name]
-    values, treedef = jax.tree.flatten(getattr(state, f.name))
-    old_codes = jax.tree.leaves(old.codes)
-    old_scales = jax.tree.leaves(old.absmax, is_leaf=_masked)
-    codes, scales = [], []
-    for x, c, a in zip(values, old_codes, old_scales):
-      if _masked(a):
-        codes.append(x)
-        scales.append(a)
-        continue
-      # A row of one block is its own length: any power of two that covers it.
-      bs = (Quantized8bit(c, a).block_size if a.shape[-1] > 1
-            else max(2, 1 << (c.shape[-1] - 1).bit_length()))
-      q = quantize_blockwise(x, signed=not f.nonneg, block_size=bs,
-                             state_quantization=format_of(c))
-      codes.append(q.codes)
-      scales.append(q.absmax)
-    new[f.name] = Quantized8bit(jax.tree.unflatten(treedef, codes),
-                                jax.tree.unflatten(treedef, scales))
+    if f.name in quantized:
+      old = quantized[f.name]
+      plan = [_plan_of(c, a) for c, a in zip(jax.tree.leaves(old.codes),
+                                             jax.tree.leaves(old.absmax, is_leaf=_masked))]
+      new[f.name] = _encode(getattr(state, f.name), plan, signed=not f.nonneg)
   return state._replace(**new)
