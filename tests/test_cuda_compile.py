@@ -125,3 +125,20 @@ def test_8bit_adam_kernels_compile_for_an_h200_in_both_formats(h200, fmt):
                   opt.init(params), params)
   assert TRITON in text
   assert ("f8e4m3fn" in text) == (fmt == "fp8")
+
+
+@pytest.mark.parametrize("name, kw", [("lion", {}), ("sgd", {"momentum": 0.9}),
+                                      ("rmsprop", {"centered": True})])
+@pytest.mark.parametrize("fmt", ["dynamic8", "fp8"])
+def test_quantized_state_runs_in_one_kernel_per_large_leaf_for_an_h200(h200, name, kw, fmt):
+  # Each large leaf's fields are decoded, stepped and encoded inside its own Triton kernel
+  # (no float32 copy of a field between XLA passes); the small float32 leaf shares the
+  # float kernels' grouped launch on the fused apply, and runs on XLA on optax's contract.
+  opt = getattr(optirs_jax, name)(1e-3, **kw, state_quantization=fmt)
+  params = {"w": jnp.zeros((64, 512)), "v": jnp.zeros((32, 1024)), "b": jnp.zeros((7,))}
+  state = opt.init(params)
+  apply = _compile(lambda p, s, g: optirs_jax.apply(opt, g, s, p), params, state, params)
+  assert apply.count(f'custom_call_target="{TRITON}"') == 3
+  assert ("f8e4m3fn" in apply) == (fmt == "fp8")
+  update = _compile(lambda p, s, g: opt.update(g, s, p), params, state, params)
+  assert update.count(f'custom_call_target="{TRITON}"') == 2

@@ -31,10 +31,11 @@ OPTIMIZERS = [("adam", {}), ("adamw", {"weight_decay": 0.1}), ("lamb", {}), ("li
 CATALOGUE = [(name, dict(entry.typical)) for name, entry in REGISTRY.items()
              if name not in dict(OPTIMIZERS) and entry.moments
              and "state_quantization" in inspect.signature(entry.make).parameters]
-# Every optimizer and format on the reference; the kernels (interpret mode here) on one
-# format; the rest of the catalogue on the reference in the dynamic map.
-CASES = [(o, fmt, "jnp") for o in OPTIMIZERS for fmt in ("dynamic8", "fp8")] + [
-    (o, "dynamic8", "pallas") for o in OPTIMIZERS] + [(o, "dynamic8", "jnp") for o in CATALOGUE]
+# Every optimizer and format on the reference and on the kernels (interpret mode here: the
+# quantized fields decoded and encoded inside the rule's kernel, but LAMB's, whose per-leaf
+# norms take a second pass); the rest of the catalogue on the reference in the dynamic map.
+CASES = [(o, fmt, b) for o in OPTIMIZERS for fmt in ("dynamic8", "fp8")
+         for b in ("jnp", "pallas")] + [(o, "dynamic8", "jnp") for o in CATALOGUE]
 SHAPES = {"w": (8, 512), "e": (3, 700), "b": (37,)}  # w, e quantized (e: a short last block)
 
 
@@ -107,6 +108,24 @@ def test_steps_are_optax_on_the_stored_values_and_store_the_numpy_format(opt, fm
         np.testing.assert_allclose(values[k], ref_values, rtol=0.15,
                                    atol=1e-3 * float(np.abs(ref_values).max()))
     params = optax.apply_updates(params, u)
+
+
+@pytest.mark.parametrize("fmt", ["dynamic8", "fp8"])
+@pytest.mark.parametrize("path", ["update", "apply"])
+def test_the_kernels_decode_and_encode_the_fields_of_whole_block_leaves(fmt, path):
+  """With the kernels, a leaf whose last axis is whole blocks runs in one kernel that reads
+  the codes (named for the format); a leaf with a short last block takes the jnp math."""
+  tx = optirs_jax.rmsprop(1e-3, momentum=0.9, state_quantization=fmt, min_quantized_size=1024,
+                          backend="pallas")
+  params = _tree(0)
+  state = tx.init(params)
+  step = ((lambda g, s, p: optirs_jax.apply(tx, g, s, p)) if path == "apply"
+          else (lambda g, s, p: tx.update(g, s, p)))
+  jaxpr = str(jax.make_jaxpr(step)(params, state, params))
+  assert jaxpr.count(f"name=rmsprop_{fmt}") == 1  # "w"; "e" (3, 700) has a short block
+  # The kernel's operands are the codes (8 bits) and scales of both fields, not floats.
+  code_dtype = {"fp8": "f8_e4m3fn", "dynamic8": "i8"}[fmt]
+  assert f"{code_dtype}[8,512]" in jaxpr
 
 
 @pytest.mark.parametrize("name, kw", [("lion", {}), ("rmsprop", {}), ("adam", {})])

@@ -144,6 +144,13 @@ def _entry_case(name: str, entry: Entry) -> Opt:
              (lambda: entry.optax(lr, **kw)) if entry.optax else None, TORCH.get(name))
 
 
+def _state_quantized(name: str, fmt: str) -> Callable:
+  """The registry's optimizer ``name`` of the benchmark's arguments, its state in ``fmt``."""
+  lr = 1e-4 if name == "lion" else 1e-3
+  return lambda **o: REGISTRY[name].make(lr, **_BENCH_KW.get(name, {}), state_quantization=fmt,
+                                         **o)
+
+
 # Every optimizer of the registry, and the benchmark's composite cases.
 OPTIMIZERS = {name: _entry_case(name, entry) for name, entry in REGISTRY.items()} | {
     "rmsprop_centered": Opt(28, lambda **o: optirs_jax.rmsprop(1e-3, centered=True, **o),
@@ -168,6 +175,12 @@ OPTIMIZERS = {name: _entry_case(name, entry) for name, entry in REGISTRY.items()
     # The same bytes with float8_e4m3fn codes (state_quantization="fp8").
     "adamw8bit_fp8": Opt(16, lambda **o: optirs_jax.adamw8bit(
         1e-3, state_quantization="fp8", **o), None),
+    # Any optimizer's state in 8 bits (state_quantization): the fields decoded and encoded
+    # inside the rule's kernel. Lion reads p, g (f32) and the momentum's codes, writes p and
+    # the codes: 4 + 4 + 1 + 4 + 1 = 14 bytes (SGD with momentum too); AdamW 16.
+    **{f"{name}_{fmt}": Opt(nbytes, _state_quantized(name, fmt), None)
+       for name, nbytes in (("lion", 14), ("adamw", 16), ("sgd", 14))
+       for fmt in ("dynamic8", "fp8")},
 }
 
 JAX_IMPLS = ("optirs-apply", "optirs-update", "optax", "optax-flatten")

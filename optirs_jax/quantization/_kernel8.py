@@ -16,30 +16,17 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from optirs_jax.formats.blockwise import dequantize_blocks, quantize_blocks
-from optirs_jax.formats.codes import SIGNED_BITS, UNSIGNED_BITS, magnitude_table
 from optirs_jax.pallas import sharding
 from optirs_jax.pallas.op import NHP, Hyper, read_hyper
 from optirs_jax.pallas.options import DEFAULT_OPTIONS, Tiling
+from optirs_jax.transforms._quantized_kernel import rows_per_program, tables_of, with_tables
+
+__all__ = ["HYPER", "adam_math", "block_step", "leaf_step", "rows_per_program", "tables_of",
+           "with_tables"]
 
 # The scalars of one step, in the order of the kernel's hyper-parameter vector
 # (``pallas.op.hyper_vector(values, HYPER)``).
 HYPER = ("b1", "c1", "b2", "c2", "eps", "bc1", "bc2", "wd", "neg_lr")
-_TABLES = (1 << SIGNED_BITS, 1 << UNSIGNED_BITS)  # the maps' lengths, after the NHP scalars
-
-
-def with_tables(hvec):
-  """The step's vector: its ``NHP`` scalars, then the signed and unsigned dynamic maps'
-  magnitudes (constants; carried in the vector, the operand every call already takes, so a
-  partitioned call captures no constant)."""
-  return jnp.concatenate([hvec[:NHP], magnitude_table(SIGNED_BITS),
-                          magnitude_table(UNSIGNED_BITS)])
-
-
-def tables_of(hvec):
-  """``(signed map, unsigned map)`` of a :func:`with_tables` vector."""
-  return hvec[NHP:NHP + _TABLES[0]], hvec[NHP + _TABLES[0]:NHP + sum(_TABLES)]
-
-
 def adam_math(h: Hyper, p, g, mu, nu, *, l2: bool, decoupled: bool):
   r"""Adam on float32 arrays: ``(u, mu, nu)`` with ``u = -lr * (m̂ / (sqrt(v̂) + eps) [+ wd p])``
   (optax's order of operations; ``l2`` adds ``wd * p`` to the gradient first)."""
@@ -79,12 +66,6 @@ def _body(h_ref, p_ref, g_ref, muc_ref, mua_ref, nuc_ref, nua_ref, *refs, **kw):
                     nua_ref[...], o_ref.dtype, tables=tables, **kw)
   for ref, x in zip((o_ref, muc_o, mua_o, nuc_o, nua_o), outs):
     ref[...] = x
-
-
-def rows_per_program(num_blocks: int, most: int) -> int:
-  """The largest power of two up to ``most`` and ``num_blocks`` (Triton blocks are powers
-  of two)."""
-  return max(1, min(1 << (most.bit_length() - 1), 1 << (num_blocks.bit_length() - 1)))
 
 
 def leaf_step(hvec, p2, g2, muc, mua, nuc, nua, out_dtype, *, platform: str, l2: bool,

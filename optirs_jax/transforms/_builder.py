@@ -22,14 +22,14 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optirs_jax.pallas.dispatch import check_pallas_dtypes, execute
-from optirs_jax.pallas.op import ElementwiseOp, Hyper
+from optirs_jax.pallas.dispatch import check_pallas_dtypes, execute, lowering_targets
+from optirs_jax.pallas.op import ElementwiseOp, Hyper, output_dtypes
 from optirs_jax.pallas.options import ExecutorOptions
 from optirs_jax.pallas.sharding import varying_axes
 from optirs_jax.rounding import split16
 from optirs_jax.spec import BoundRule, OptimizerSpec, prologue_names
 from optirs_jax.transforms import _checks as c
-from optirs_jax.transforms import _quantized
+from optirs_jax.transforms import _quantized, _quantized_kernel
 from optirs_jax.transforms._wiring import check_wiring
 
 # What each kind of argument a spec declares must be.
@@ -114,12 +114,12 @@ def build(spec: OptimizerSpec,
       return float_step(updates, state, params, **kw)
     # The float32 step between a decode and an encode of the quantized fields.
     state, quantized = _quantized.decode_fields(state, spec.fields)
-    result = float_step(updates, state, params, **kw)
+    result = float_step(updates, state, params, quantized=quantized, **kw)
     return (result[0], _quantized.reencode_fields(result[1], spec.fields, quantized),
             *result[2:])
 
   def float_step(updates, state, params, *, fused, master, inv_scale, finite, param_seed,
-                 prologue):
+                 prologue, quantized=None):
     g, paths, treedef = c.flatten(fn, "updates", updates)
     columns = [c.match(fn, f"state.{f.name}", getattr(state, f.name), treedef, g, paths)
                for f in fields]
@@ -166,6 +166,7 @@ def build(spec: OptimizerSpec,
     weights = [m[i] if uses_master[i] else p[i] for i in range(len(g))] if p else None
     outs: list[Any] = [None] * len(g)
     norms: list[Any] = [None] * len(g)
+    in_kernel, kernel_platforms = _kernel_quantized(quantized, len(g), g, master=m)
     variants = sorted(set(zip(decays, uses_master)), reverse=True)
     for decay, in_master in variants:  # one op per static variant of the rule
       idx = [i for i in range(len(g)) if (decays[i], uses_master[i]) == (decay, in_master)]
@@ -174,6 +175,14 @@ def build(spec: OptimizerSpec,
                    param_rounding=fused and param_seed is not None,
                    cast_lr=cast_lr, prologue=kinds)
       op, with_p, with_low = _op(spec, options, names, mode, decay=decay)
+      quantized_idx = [i for i in idx if in_kernel[i] is not None and g[i].dtype == jnp.float32
+                       and (not with_p or weights[i].dtype == jnp.float32)]
+      if quantized_idx:
+        _run_quantized(op, h, quantized_idx, g, in_kernel, weights if with_p else None,
+                       outs, kernel_platforms)
+        idx = [i for i in idx if i not in quantized_idx]
+        if not idx:
+          continue
       leaves = [(g[i], *(col[i] for col in columns)) + ((weights[i],) if with_p else ())
                 + ((p[i],) if with_low else ()) for i in idx]
       if backend == "pallas":
@@ -213,6 +222,37 @@ def build(spec: OptimizerSpec,
     if m is not None:
       result += (jax.tree.unflatten(treedef, new_master),)
     return result
+
+  def _kernel_quantized(quantized, n, g, *, master):
+    """Per leaf, its quantized rule fields where the kernel decodes and encodes them (else
+    None), and ``(trace the Triton kernel, how other platforms run it)``: on a step traced
+    for an NVIDIA GPU (or with ``backend="pallas"``, Pallas' interpreter elsewhere), for a
+    rule without per-leaf norms, without master weights."""
+    none = [None] * n
+    if (quantized is None or spec.reduction is not None or master is not None
+        or backend == "jnp" or not g):
+      return none, None
+    targets = lowering_targets([(g[0],)])
+    cuda = "cuda" in targets
+    if not cuda and backend != "pallas":
+      return none, None
+    other = "interpret" if backend == "pallas" and "tpu" not in targets else "jnp"
+    return _quantized.kernel_fields(quantized, names, n) or none, (cuda, other)
+
+  def _run_quantized(op, h, idx, g, in_kernel, weights, outs, platforms):
+    """The leaves ``idx`` through the quantized kernel: ``outs[i] = (update or new params,
+    Quantized8bit per field)``."""
+    extras = lambda i: () if weights is None else (weights[i],)
+    floats = [(g[i], *(jax.ShapeDtypeStruct(g[i].shape, jnp.float32) for _ in names),
+               *extras(i)) for i in idx]
+    out_dtypes = [d[0] for d in output_dtypes(op, h, floats)]
+    alias_out = 0 if (1 + len(names), 0) in op.aliases else None  # the params, fused
+    results = _quantized_kernel.execute(
+        op, h, [(g[i], *in_kernel[i], *extras(i)) for i in idx], n_fields=len(names),
+        signed=[not f.nonneg for f in fields], out_dtypes=out_dtypes, cuda=platforms[0],
+        other=platforms[1], tiling=executor_options.quantized_tiling, alias_out=alias_out)
+    for i, r in zip(idx, results):
+      outs[i] = r
 
   def is_half(x) -> bool:
     return jnp.finfo(x.dtype).bits < 32 if jnp.issubdtype(x.dtype, jnp.floating) else False

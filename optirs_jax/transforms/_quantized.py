@@ -83,15 +83,20 @@ def _masked(x) -> bool:
   return isinstance(x, optax.MaskedNode)
 
 
+def _is_quantized(x) -> bool:
+  return isinstance(x, Quantized8bit)
+
+
 def _encode(tree, plan, signed: bool) -> Quantized8bit:
   """``tree`` as a :class:`Quantized8bit` of two trees: each leaf with a ``(block size,
-  format)`` in ``plan`` encoded, a leaf with None kept as it is."""
-  leaves, treedef = jax.tree.flatten(tree)
+  format)`` in ``plan`` encoded (or taken as it is, where the kernel encoded it already), a
+  leaf with None kept as it is."""
+  leaves, treedef = jax.tree.flatten(tree, is_leaf=_is_quantized)
   codes, scales = [], []
   for x, how in zip(leaves, plan):
-    if how is None:
-      codes.append(x)
-      scales.append(optax.MaskedNode())
+    if how is None or _is_quantized(x):
+      codes.append(x.codes if _is_quantized(x) else x)
+      scales.append(x.absmax if _is_quantized(x) else optax.MaskedNode())
       continue
     c = quantize_blockwise(x, signed=signed, block_size=how[0], state_quantization=how[1])
     codes.append(c.codes)
@@ -133,9 +138,32 @@ def _plan_of(c, a):
   return bs, format_of(c)
 
 
+def kernel_fields(quantized, names, n: int) -> list | None:
+  """Per leaf, the :class:`Quantized8bit` of each rule field of ``names`` where all of them
+  are quantized in one format and block size (the kernel decodes and encodes them), else
+  None; None for every leaf when a field is not quantized at all."""
+  if not quantized or any(name not in quantized for name in names):
+    return None
+  columns = []
+  for name in names:
+    q = quantized[name]
+    codes = jax.tree.leaves(q.codes)
+    scales = jax.tree.leaves(q.absmax, is_leaf=_masked)
+    if len(codes) != n or len(scales) != n:
+      return None  # not the updates' structure: the float step names the mismatch
+    columns.append([None if _masked(a) else Quantized8bit(c, a) for c, a in zip(codes, scales)])
+  out = []
+  for i in range(n):
+    leaf = [col[i] for col in columns]
+    plans = {None if x is None else _plan_of(x.codes, x.absmax) for x in leaf}
+    out.append(leaf if len(plans) == 1 and None not in plans else None)
+  return out
+
+
 def reencode_fields(state, fields, quantized):
   """The step's new ``state`` with the fields that came in quantized encoded again, each
-  leaf in its own format and block size."""
+  leaf in its own format and block size (leaves the kernel encoded are taken as they
+  are)."""
   new = {}
   for f in fields:
     if f.name in quantized:

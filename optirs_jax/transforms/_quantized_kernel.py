@@ -1,0 +1,262 @@
+r"""Quantized state inside the kernel: decode, the optimizer's rule and encode in one pass.
+
+For a leaf whose every rule field is stored block-wise in 8 bits (:mod:`._quantized`), one
+Pallas program per ``tiling.block_rows`` quantization blocks reads the gradient, each
+field's codes and block scales (and the params, where the rule reads them), decodes the
+fields, runs the optimizer's elementwise rule (the same op the float kernels run), and
+writes the update (or, on the fused apply, the new params) and each field's new codes and
+scales:
+
+.. math::
+  (u, s'_1, \dots, s'_n) = \mathrm{rule}(g, D(s_1), \dots, D(s_n), p), \qquad
+  s_k \leftarrow Q(s'_k)
+
+block by block, ``D``/``Q`` the format's decode and nearest-code encode (the dynamic map's
+by its tables, read from the kernel's operands; ``float8_e4m3fn``'s by one conversion). So a
+field costs its 8-bit codes (and 4 bytes per block) each way instead of a float32 read and
+write plus an XLA decode and encode around the kernel: Lion moves 4 + 4 + 2 + 4 = 14 bytes
+per parameter on the fused apply instead of 20.
+
+The leaf is viewed as ``[blocks, block_size]`` rows (a free reshape where its last axis is
+a whole number of blocks, on each device its own shard: :func:`optirs_jax.pallas.sharding.
+run_local`); other leaves, and other platforms, run the same math in jnp on the whole leaf.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from optirs_jax.formats.blockwise import (
+  Quantized8bit,
+  as_row_blocks,
+  dequantize_blocks,
+  from_row_blocks,
+  quantize_blocks,
+)
+from optirs_jax.formats.codes import SIGNED_BITS, UNSIGNED_BITS, magnitude_table
+from optirs_jax.pallas import lazy_branches, sharding
+from optirs_jax.pallas.kernel import block_index, compiler_params
+from optirs_jax.pallas.op import NHP, ElementwiseOp, block_math, hyper_vector, read_hyper
+from optirs_jax.pallas.options import Tiling
+
+_TABLES = (1 << SIGNED_BITS, 1 << UNSIGNED_BITS)  # the maps' lengths, after the NHP scalars
+
+
+def rows_per_program(num_blocks: int, most: int) -> int:
+  """The largest power of two up to ``most`` and ``num_blocks`` (Triton blocks are powers
+  of two)."""
+  return max(1, min(1 << (most.bit_length() - 1), 1 << (num_blocks.bit_length() - 1)))
+
+
+def with_tables(hvec: jax.Array) -> jax.Array:
+  """A step's vector: its ``NHP`` scalars, then the signed and unsigned dynamic maps'
+  magnitudes (constants carried in the one operand every call takes, so a partitioned
+  call captures no constant)."""
+  return jnp.concatenate([hvec[:NHP], magnitude_table(SIGNED_BITS),
+                          magnitude_table(UNSIGNED_BITS)])
+
+
+def tables_of(hvec) -> tuple[jax.Array, jax.Array]:
+  """``(signed map, unsigned map)`` of a :func:`with_tables` vector."""
+  return hvec[NHP:NHP + _TABLES[0]], hvec[NHP + _TABLES[0]:NHP + sum(_TABLES)]
+
+
+
+def block_step(op: ElementwiseOp, h, g, fields, extras, out_dtype, *, signed: Sequence[bool],
+               fmt: str, tables=(None, None), index=None):
+  """Blocks in, blocks out: ``(out, [(codes, absmax) per field])``. ``fields``: each
+  field's ``(codes [..., block], absmax [..., 1])``; ``signed``: per field, whether it is
+  stored on the signed map; ``tables``: the signed and unsigned maps' magnitudes (arrays or
+  a kernel's refs; None builds them)."""
+  table = lambda s: tables[0] if s else tables[1]
+  decoded = [dequantize_blocks(c, a, table(s)) for (c, a), s in zip(fields, signed)]
+  outs, _ = block_math(op, h, [g, *decoded, *extras],
+                       [out_dtype] + [jnp.float32] * len(fields), index)
+  new = [quantize_blocks(x, signed=s, fmt=fmt, table=table(s))
+         for x, s in zip(outs[1:], signed)]
+  return outs[0], new
+
+
+def _body(h_ref, *refs, op: ElementwiseOp, n_fields: int, n_extras: int, signed, fmt: str,
+          n_tables: int):
+  g_ref = refs[0]
+  field_refs = refs[1:1 + 2 * n_fields]
+  extra_refs = refs[1 + 2 * n_fields:1 + 2 * n_fields + n_extras]
+  rest = refs[1 + 2 * n_fields + n_extras:]
+  tables = tuple(rest[:n_tables]) if n_tables else (None, None)
+  o_ref, *field_out = rest[n_tables:]
+  index = None
+  if op.indexed:  # the element's index in its (local) leaf: whole rows per program
+    shape = g_ref.shape
+    index = block_index(shape, pl.program_id(0) * shape[0] * shape[1])
+  out, new = block_step(
+      op, read_hyper(h_ref, op.hyper), g_ref[...],
+      [(field_refs[2 * k][...], field_refs[2 * k + 1][...]) for k in range(n_fields)],
+      [r[...] for r in extra_refs], o_ref.dtype, signed=signed, fmt=fmt, tables=tables,
+      index=index)
+  o_ref[...] = out
+  for k, (c, a) in enumerate(new):
+    field_out[2 * k][...] = c
+    field_out[2 * k + 1][...] = a
+
+
+def _rows(op, hvec, g, fields, extras, out_dtype, *, signed, fmt, platform: str,
+          tiling: Tiling, alias_out: int | None):
+  """One leaf's kernel on ``[blocks, block_size]`` views (``fields``' scales
+  ``[blocks, 1]``): ``(out, [(codes, absmax) per field])``. ``alias_out``: the position
+  among ``extras`` whose buffer the output takes (the params, on the fused apply)."""
+  n = len(fields)
+  flat_fields = [x for f in fields for x in f]
+  tables = tables_of(hvec) if fmt == "dynamic8" else ()
+  hvec, g, *rest = sharding.vary_alike((hvec, g, *flat_fields, *extras, *tables))
+  flat_fields, extras, tables = rest[:2 * n], rest[2 * n:2 * n + len(extras)], rest[
+      2 * n + len(extras):]
+  nb, bs = g.shape
+  rows = rows_per_program(nb, tiling.block_rows)
+  programs = nb // rows
+  row_spec = pl.BlockSpec((rows, bs), lambda i: (i, 0))
+  col_spec = pl.BlockSpec((rows, 1), lambda i: (i, 0))
+  field_specs = [row_spec, col_spec] * n
+  out_shape = [sharding.out_struct(g, g.shape, out_dtype)]
+  for k in range(n):
+    out_shape += [sharding.out_struct(g, g.shape, flat_fields[2 * k].dtype),
+                  sharding.out_struct(g, (nb, 1), jnp.float32)]
+  # Operand positions count the vector first: g 1, the fields' codes and scales, extras.
+  aliases = {2 + j: 1 + j for j in range(2 * n)}
+  if alias_out is not None and extras[alias_out].dtype == out_dtype:
+    aliases[2 + 2 * n + alias_out] = 0
+  results = pl.pallas_call(
+      functools.partial(_body, op=op, n_fields=n, n_extras=len(extras), signed=tuple(signed),
+                        fmt=fmt, n_tables=len(tables)),
+      out_shape=tuple(out_shape),
+      grid=(programs,),
+      in_specs=([pl.BlockSpec((NHP,), lambda i: (0,)), row_spec] + field_specs
+                + [row_spec] * len(extras)
+                + [pl.BlockSpec(t.shape, lambda i: (0,)) for t in tables]),
+      out_specs=tuple([row_spec] + field_specs),
+      input_output_aliases=aliases,
+      interpret=platform == "interpret",
+      compiler_params=compiler_params(platform, tiling),
+      name=f"{op.name}_{fmt}",
+  )(hvec, g, *flat_fields, *extras, *tables)
+  out, new = results[0], [(results[1 + 2 * k], results[2 + 2 * k]) for k in range(n)]
+  start = programs * rows
+  if start == nb:
+    return out, new
+  cut = lambda x: x[start:]
+  index = block_index((nb - start, bs), start * bs) if op.indexed else None
+  t_out, t_new = block_step(
+      op, read_hyper(hvec, op.hyper), cut(g),
+      [(cut(flat_fields[2 * k]), cut(flat_fields[2 * k + 1])) for k in range(n)],
+      [cut(x) for x in extras], out_dtype, signed=signed, fmt=fmt, tables=tables_of(hvec),
+      index=index)
+  return out.at[start:].set(t_out), [(c.at[start:].set(tc), a.at[start:].set(ta))
+                                     for (c, a), (tc, ta) in zip(new, t_new)]
+
+
+def _whole(op, hvec, g, fields, extras, out_dtype, *, signed, fmt, block_size: int):
+  """One leaf in jnp: the fields decoded whole, the rule on the flat leaf, each new field
+  encoded by rows of blocks (a last axis of part of a block included)."""
+  tables = tables_of(hvec)
+  table = lambda s: tables[0] if s else tables[1]
+  decoded = [from_row_blocks(dequantize_blocks(as_row_blocks(c, block_size), a[..., None],
+                                               table(s)), g.shape)
+             for (c, a), s in zip(fields, signed)]
+  flat = [x.reshape(-1) for x in (g, *decoded, *extras)]
+  index = block_index(flat[0].shape) if op.indexed else None
+  outs, _ = block_math(op, read_hyper(hvec, op.hyper), flat,
+                       [out_dtype] + [jnp.float32] * len(fields), index)
+  new = []
+  for x, s in zip(outs[1:], signed):
+    c, a = quantize_blocks(as_row_blocks(x.reshape(g.shape), block_size), signed=s, fmt=fmt,
+                           table=table(s))
+    new.append((from_row_blocks(c, g.shape), a[..., 0]))
+  return outs[0].reshape(g.shape), new
+
+
+def _local(hvec, leaves, *, op, n_fields, signed, fmt, block_size, out_dtypes, platform,
+           tiling, alias_out):
+  """Leaves ``(g, codes, scales, ... per field, *extras)`` on this device's shards: per leaf
+  ``(out, codes, scales, ... per field)``. A kernel where the (local) last axis is a whole
+  number of blocks and a kernel platform runs; the jnp math on the whole leaf elsewhere."""
+  outs = []
+  for leaf, dts in zip(leaves, out_dtypes):
+    g, rest = leaf[0], leaf[1:]
+    fields = [(rest[2 * k], rest[2 * k + 1]) for k in range(n_fields)]
+    extras = rest[2 * n_fields:]
+    where = platform
+    if where == "interpret" and any(sharding.varying_axes(x) for x in leaf):
+      where = "jnp"  # Pallas' interpreter cannot check varying axes inside a shard_map
+    if (where == "jnp" or g.ndim == 0 or g.shape[-1] % block_size
+        or (where == "cuda" and block_size & (block_size - 1))):  # Triton: powers of two
+      out, new = _whole(op, hvec, g, fields, extras, dts[0], signed=signed, fmt=fmt,
+                        block_size=block_size)
+    else:
+      rows = lambda x: x.reshape(-1, block_size)
+      out, new = _rows(op, hvec, rows(g), [(rows(c), a.reshape(-1, 1)) for c, a in fields],
+                       [rows(x) for x in extras], dts[0], signed=signed, fmt=fmt,
+                       platform=where, tiling=tiling, alias_out=alias_out)
+      out = out.reshape(g.shape)
+      new = [(c.reshape(g.shape), a.reshape(f[1].shape)) for (c, a), f in zip(new, fields)]
+    outs.append((out, *(x for pair in new for x in pair)))
+  return outs, [()] * len(leaves)
+
+
+def execute(op: ElementwiseOp, h, leaves: Sequence[tuple], *, n_fields: int,
+            signed: Sequence[bool], out_dtypes: Sequence, cuda: bool, other: str,
+            tiling: Tiling, alias_out: int | None = None) -> list[tuple]:
+  """Runs ``op`` on leaves whose ``n_fields`` rule fields are :class:`Quantized8bit`.
+
+  Args:
+    op: the float rule and its wiring (its inputs ``(g, *fields, *extras)``, its outputs
+      ``(u, *fields)``).
+    h: this step's scalars.
+    leaves: per leaf ``(g, Quantized8bit per field, *extras)``, every field of a leaf in one
+      format and block size.
+    n_fields, signed: the quantized fields, and per field whether its map is signed.
+    out_dtypes: per leaf, the dtype of the rule's first output.
+    cuda: whether to trace the Triton kernel (for a step lowered for an NVIDIA GPU).
+    other: how other platforms run it: ``"jnp"`` or ``"interpret"`` (Pallas' interpreter).
+    tiling: quantization blocks per program and the Triton launch settings.
+    alias_out: the position among the extras whose buffer the first output may take.
+
+  Returns:
+    Per leaf ``(out, Quantized8bit per field)``.
+  """
+  hvec = with_tables(hyper_vector(h, op.hyper))
+  plans = [(leaf[1].block_size, leaf[1].codes.dtype) for leaf in leaves]
+  flat = [(leaf[0], *(x for q in leaf[1:1 + n_fields] for x in q), *leaf[1 + n_fields:])
+          for leaf in leaves]
+  scales_in = tuple(2 + 2 * k for k in range(n_fields))
+
+  def run(platform):  # every group of one block size and format: one run_local each
+    def go(args):
+      hvec, flat = args
+      results: list = [None] * len(flat)
+      for bs, dt in dict.fromkeys(plans):
+        idx = [i for i, plan in enumerate(plans) if plan == (bs, dt)]
+        fmt = "fp8" if dt == jnp.float8_e4m3fn else "dynamic8"
+        dts = [(out_dtypes[i], *(x.dtype for x in flat[i][1:1 + 2 * n_fields]))
+               for i in idx]
+        local = functools.partial(_local, op=op, n_fields=n_fields, signed=tuple(signed),
+                                  fmt=fmt, block_size=bs, out_dtypes=dts, platform=platform,
+                                  tiling=tiling, alias_out=alias_out)
+        outs, _ = sharding.run_local(local, hvec, [flat[i] for i in idx], dts, 0,
+                                     blocked=sharding.Blocked(bs, scales_in, scales_in))
+        for j, i in enumerate(idx):
+          results[i] = outs[j]
+      return results
+    return go
+
+  if cuda:  # the kernel's branch traced now, the other when lowered for another platform
+    results = lazy_branches.platform_dependent((hvec, flat), cuda=run("cuda"),
+                                               default=run(other))
+  else:
+    results = run(other)((hvec, flat))
+  return [(r[0], *(Quantized8bit(r[1 + 2 * k], r[2 + 2 * k]) for k in range(n_fields)))
+          for r in results]
