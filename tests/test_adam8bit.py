@@ -292,6 +292,27 @@ def test_codes_round_trip_and_edges_pick_the_nearest(signed):
   np.testing.assert_array_equal(ours[:len(mags)], mags)
 
 
+@pytest.mark.parametrize("bits", [7, 8])
+def test_the_encoder_picks_the_nearest_code_on_a_dense_grid_of_float32(bits):
+  """The encoder looks around a first guess from the value's decade (float32 log2 and exp2):
+  over every 256th float32 in [0, 1], NaN, negatives, infinities, each map value and each
+  midpoint with their neighbours, the nearest code of numpy's sorted search (the smaller
+  on a tie; 0 for NaN and negatives)."""
+  from optirs_jax.formats.codes import encode_magnitude, magnitude_table
+  table = np.asarray(magnitude_table(bits))
+  mids = ((table[1:].astype(np.float64) + table[:-1]) / 2).astype(np.float32)
+  grid = np.arange(0, np.float32(1).view(np.uint32) + 1, 256, dtype=np.uint32).view(np.float32)
+  a = np.concatenate([grid, table, mids] + [np.nextafter(x, d) for x in (table, mids)
+                                            for d in (0, 2)]
+                     + [[np.nan, -1.0, -0.0, np.inf, 2.0, 1e-38]]).astype(np.float32)
+  clean = np.nan_to_num(np.where(a > 0, np.minimum(a, 1), 0), nan=0.0).astype(np.float32)
+  m0 = np.searchsorted(table, clean, side="right") - 1
+  m1 = np.minimum(m0 + 1, len(table) - 1)
+  want = np.where(table[m1] - clean < clean - table[m0], m1, m0)
+  got = jax.jit(encode_magnitude, static_argnums=1)(jnp.asarray(a), bits)
+  np.testing.assert_array_equal(np.asarray(got), want)
+
+
 def test_inject_hyperparams_needs_no_static_args(standard_promotion):
   """The structural ints are not injected by default (their defaults are None), so init and
   update run under jit; a schedule-like change of the learning rate keeps the numbers of

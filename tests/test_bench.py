@@ -54,6 +54,11 @@ def test_device_time_sums_the_stream_lines_of_the_device_plane():
   assert timing.device_seconds(profile, "/device:GPU:1") is None
   # Busy: [0, 2.5] and [3.0, 3.5] us on one stream, [0, 1.0] on the other inside the first.
   assert timing.device_seconds(profile, busy=True) == pytest.approx(3.0e-6)
+  # A device plane with no event on its streams (a CPU-only process on a GPU machine, run
+  # 49): no device time, not zero.
+  idle = ProfileData.from_text_proto(
+      'planes { id: 1 name: "/device:GPU:0" lines { id: 1 name: "Stream #13(compute)" } }')
+  assert timing.device_seconds(idle) is None and timing.device_seconds(idle, busy=True) is None
   # Per kernel name, longest first: adam 2.5 us once; copy 0.5 + 1.0 us in two events.
   top = timing.top_kernels(profile, 5)
   assert [(n, c) for n, _, c in top] == [("adam", 1), ("copy", 2)]

@@ -21,8 +21,9 @@ BACKENDS = ["jnp", "pallas"]
 def _tol(backend, name=""):
   if backend == "jnp" and name and REGISTRY[name].norms and jax.default_backend() == "gpu":
     # XLA on a GPU sums per-leaf norms (LAMB's, LARS's trust ratios) in an order that
-    # depends on the program's fusions: one ulp of the ratio (test_dtypes likewise).
-    return {"rtol": 1e-6, "atol": 0.0}
+    # depends on the program's fusions: one ulp of the ratio (test_dtypes likewise), a few
+    # where an update nearly cancels (fromage: 2.3e-6 relative on a 1.6e-6 element, run 49).
+    return {"rtol": 1e-6, "atol": 1e-11}
   return {"rtol": 0.0, "atol": 0.0} if backend == "jnp" else {"rtol": 1e-6, "atol": 1e-9}
 
 

@@ -8,7 +8,11 @@ hyper-parameters and schedule; they differ in the optimizer and in the path its 
 * ``optirs-nnx``: ``optirs_jax.adamw`` through the stock ``nnx.Optimizer`` (the contract path).
 * ``optirs-fused``: ``optirs_jax.adamw`` through ``optirs_jax.flax.Optimizer`` (the fused
   apply: the clip folded into the kernel).
-* ``adamw8bit``: ``optirs_jax.adamw8bit`` through ``optirs_jax.flax.Optimizer``.
+* ``adamw8bit``: ``optirs_jax.adamw8bit`` through ``optirs_jax.flax.Optimizer``;
+  ``adamw-fp8``: ``optirs_jax.adamw`` with ``state_quantization="fp8"``, likewise.
+* ``lion``, ``lion-dynamic8``, ``lion-fp8``: ``optirs_jax.lion`` (float32 state, or 8-bit
+  in either format) through ``optirs_jax.flax.Optimizer``, its learning rate 5x below
+  AdamW's on the same schedule's shape and its decay 5x above (:data:`LION_SCALE`).
 * ``optax-bf16-master`` and ``bf16-master``: bfloat16 params, float32 master weights and
   dynamic loss scaling (:mod:`optirs_jax.mixed_precision`) around ``optax.adamw`` (the
   contract path) and ``optirs_jax.adamw`` (the fused apply).
@@ -69,6 +73,24 @@ def _adamw8bit(h: Hyper):
                                           weight_decay=h.weight_decay))
 
 
+def _adamw_fp8(h: Hyper):
+  return optax.chain(optax.clip_by_global_norm(h.clip),
+                     optirs_jax.adamw(h.schedule(), b1=h.b1, b2=h.b2,
+                                      weight_decay=h.weight_decay, state_quantization="fp8"))
+
+
+# Lion's step is a sign (each element moves by the learning rate): the usual recipe takes a
+# learning rate 3-10x below AdamW's and a decay as many times larger (Chen et al., 2023).
+LION_SCALE = 5.0
+
+
+def _lion(h: Hyper, state_quantization=None):
+  schedule = h.schedule()
+  return optax.chain(optax.clip_by_global_norm(h.clip), optirs_jax.lion(
+      lambda count: schedule(count) / LION_SCALE, b1=0.9, b2=0.99,
+      weight_decay=h.weight_decay * LION_SCALE, state_quantization=state_quantization))
+
+
 def _mixed(module, h: Hyper):
   return mp.with_loss_scaling(mp.master_weights(_adamw(module, h)), mp.DynamicLossScale(2.0**15))
 
@@ -116,6 +138,14 @@ CONFIGS = {
                            lambda h: _adamw(optirs_jax, h), oflax.Optimizer),
     "adamw8bit": Config("optirs_jax.adamw8bit, optirs_jax.flax.Optimizer", _adamw8bit,
                         oflax.Optimizer),
+    "adamw-fp8": Config("optirs_jax.adamw(state_quantization='fp8'), optirs_jax.flax.Optimizer",
+                        _adamw_fp8, oflax.Optimizer),
+    "lion": Config("optirs_jax.lion, optirs_jax.flax.Optimizer", _lion, oflax.Optimizer),
+    "lion-dynamic8": Config("optirs_jax.lion(state_quantization='dynamic8'), "
+                            "optirs_jax.flax.Optimizer",
+                            lambda h: _lion(h, "dynamic8"), oflax.Optimizer),
+    "lion-fp8": Config("optirs_jax.lion(state_quantization='fp8'), optirs_jax.flax.Optimizer",
+                       lambda h: _lion(h, "fp8"), oflax.Optimizer),
     "optax-bf16-master": Config("optax.adamw, bf16 params + f32 master + loss scaling",
                                 lambda h: _mixed(optax, h), param_dtype="bfloat16"),
     "bf16-master": Config("optirs_jax.adamw, bf16 params + f32 master + loss scaling, fused",

@@ -48,13 +48,14 @@ def time_steps(run_step, state, *, warmup: int, batches: int, per_batch: int, wa
 def device_seconds(profile_data, device: str = "/device:GPU:0", *,
                    busy: bool = False) -> float | None:
   """Seconds of device work in a profile: the summed durations of the events on the
-  device plane's stream lines, or None when it has no such plane. With ``busy``, the time
-  during which at least one event runs (the union of their intervals): events that
-  overlap, on several streams or lines, count once."""
+  device plane's stream lines, or None when it has no such plane or no event on it. With
+  ``busy``, the time during which at least one event runs (the union of their intervals):
+  events that overlap, on several streams or lines, count once."""
   plane = profile_data.find_plane_with_name(device)
-  if plane is None:
+  events = [] if plane is None else [e for line in plane.lines if line.name.startswith("Stream")
+                                     for e in line.events]
+  if not events:  # no plane, or one of a device this process did not use (JAX_PLATFORMS=cpu)
     return None
-  events = [e for line in plane.lines if line.name.startswith("Stream") for e in line.events]
   if not busy:
     return sum(e.duration_ns for e in events) * 1e-9
   total_ns, end = 0.0, float("-inf")

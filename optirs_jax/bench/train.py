@@ -258,7 +258,8 @@ def table(results: dict) -> str:
   head = (f"{'config':<18} {'first s':>8} {'ms/step':>9} {'busy ms':>10} {'opt ms':>8} "
           f"{'tokens/s':>10} {'peak GiB':>9} {'held-out':>9}  path")
   rows = [head]
-  fmt = lambda x, f: "-" if x is None else format(x, f)
+  # A missing value is a "-" right-aligned in its column's width.
+  fmt = lambda x, f: format("-", f">{f.split('.')[0]}") if x is None else format(x, f)
   for name, r in results.items():
     if "error" in r:
       rows.append(f"{name:<18} failed: {r['error'].splitlines()[-1] if r['error'] else ''}")
