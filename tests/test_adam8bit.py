@@ -294,10 +294,9 @@ def test_codes_round_trip_and_edges_pick_the_nearest(signed):
 
 @pytest.mark.parametrize("bits", [7, 8])
 def test_the_encoder_picks_the_nearest_code_on_a_dense_grid_of_float32(bits):
-  """The encoder looks around a first guess from the value's decade (float32 log2 and exp2):
-  over every 256th float32 in [0, 1], NaN, negatives, infinities, each map value and each
-  midpoint with their neighbours, the nearest code of numpy's sorted search (the smaller
-  on a tie; 0 for NaN and negatives)."""
+  """Over every 256th float32 in [0, 1], NaN, negatives, infinities, each map value and each
+  midpoint with their neighbours: the nearest code of numpy's sorted search (the smaller on
+  a tie; 0 for NaN and negatives)."""
   from optirs_jax.formats.codes import encode_magnitude, magnitude_table
   table = np.asarray(magnitude_table(bits))
   mids = ((table[1:].astype(np.float64) + table[:-1]) / 2).astype(np.float32)

@@ -213,8 +213,8 @@ def _nearest_codes(a: np.ndarray, table: np.ndarray) -> np.ndarray:
 
 @pytest.mark.parametrize("bits", [7, 8])
 def test_the_dynamic_map_encoder_in_a_triton_kernel_picks_the_nearest_code(bits):
-  """The encoder's first guess uses the GPU's log2 and exp2: over every 64th float32 in
-  [0, 1] and each map value and midpoint with their neighbours, still the nearest code."""
+  """Compiled by Triton (gathers from the table's ``Ref``), over every 64th float32 in
+  [0, 1] and each map value and midpoint with their neighbours: the nearest code."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import triton as pltriton
 

@@ -17,13 +17,10 @@ is about the same everywhere.
 
 The map is defined by that arithmetic (:func:`decode_magnitude`); the coders use it as a
 table of its ``2^K`` magnitudes (:func:`magnitude_table`), which is how bitsandbytes runs it
-too: decoding is one lookup; encoding finds the largest magnitude not above the value, then
-takes the nearer of it and the next one (ties keep the smaller magnitude). Where
-bitsandbytes binary-searches the table (``K`` dependent lookups), the value's decade and
-its place in it give a first guess within one code (:func:`guess_magnitude`), and four
-independent lookups around it settle the code. The same jnp functions run in the reference
-(the table an array) and in the Pallas kernels (the table a ``Ref``, each lookup a gather
-from it).
+too: decoding is one lookup, encoding a binary search for the largest magnitude not above
+the value (``K`` lookups and compares), then the nearer of it and the next one (ties keep
+the smaller magnitude). The same jnp functions run in the reference (the table an array)
+and in the Pallas kernels (the table a ``Ref``, each lookup a gather from it).
 """
 
 from __future__ import annotations
@@ -70,45 +67,21 @@ def _lookup(table, idx: jax.Array) -> jax.Array:
   return table[idx]
 
 
-_LOG10_2 = 0.30102999566398120
-_LOG2_10 = 3.3219280948873622
-
-
-def guess_magnitude(a: jax.Array, bits: int) -> jax.Array:
-  """The formula's inverse, to within one code: the code ``m`` whose magnitude is the
-  largest not above ``a`` (in [0, 1]), from ``a``'s decade ``k = floor(log10 a) + bits``
-  and its place among the decade's ``2^k`` evenly spaced magnitudes (float32 logarithms
-  and powers: the decade or the place may come out one off near their edges)."""
-  k = jnp.clip(jnp.floor(jnp.log2(a) * jnp.float32(_LOG10_2)) + bits, 0, bits - 1)
-  frac = a * jnp.exp2((bits - 1 - k) * jnp.float32(_LOG2_10))  # a / 10^(k - bits + 1)
-  p = jnp.exp2(k)  # 2^k, exactly
-  j = jnp.floor((frac - jnp.float32(0.1)) * (p / jnp.float32(0.9)) - 0.5)
-  return jnp.clip(p + j, 0, (1 << bits) - 1).astype(jnp.int32)
-
-
 def encode_magnitude(a: jax.Array, bits: int, table=None) -> jax.Array:
   """The nearest magnitude code (``int32`` in ``[0, 2^bits)``) of ``a`` in [0, 1].
 
-  ``m0``, the largest code whose magnitude (in ``table``: :func:`magnitude_table`, or a
-  Pallas ``Ref`` holding it) is at most ``a``, is found among the four codes around
-  :func:`guess_magnitude`'s (four lookups, where a binary search of the table takes
-  ``bits + 2``); of ``m0`` and ``m0 + 1`` the nearer wins, the smaller on a tie. ``a``
-  below 0 or NaN gives 0."""
+  A binary search of ``table`` (:func:`magnitude_table`, or a Pallas ``Ref`` holding it)
+  finds ``m0``, the largest code whose magnitude is at most ``a``; of ``m0`` and ``m0 + 1``
+  the nearer wins, the smaller on a tie. ``a`` below 0 or NaN gives 0."""
   table = magnitude_table(bits) if table is None else table
   top = (1 << bits) - 1
   a = a.astype(jnp.float32)
-  a = jnp.where(a > 0, jnp.minimum(a, jnp.float32(1.0)), jnp.float32(0.0))  # NaN, < 0: 0
-  g = guess_magnitude(a, bits)
-  at = lambda i: _lookup(table, jnp.clip(i, 0, top))
-  t0, t1, t2, t3 = at(g - 1), at(g), at(g + 1), at(g + 2)
-  # m0 is g - 1, g or g + 1 (table[-1] reads as below every a, table[top + 1] as above).
-  c1 = t1 <= a
-  c2 = (t2 <= a) & (g + 1 <= top)
-  m0 = jnp.maximum(g - 1 + c1.astype(jnp.int32) + c2.astype(jnp.int32), 0)
-  lo = jnp.where(c2, t2, jnp.where(c1, t1, t0))
-  hi = jnp.where(c2, t3, jnp.where(c1, t2, t1))
+  m0 = jnp.zeros_like(a, jnp.int32)  # (sharded as a, on an Explicit mesh)
+  for step in (1 << t for t in reversed(range(bits))):
+    cand = m0 + step
+    m0 = jnp.where(_lookup(table, cand) <= a, cand, m0)
   m1 = jnp.minimum(m0 + 1, top)
-  return jnp.where(hi - a < a - lo, m1, m0)
+  return jnp.where(_lookup(table, m1) - a < a - _lookup(table, m0), m1, m0)
 
 
 def encode_signed(x: jax.Array, table=None) -> jax.Array:
