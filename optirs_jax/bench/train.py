@@ -230,8 +230,10 @@ def _largest(args, name: str, argv) -> dict:
     r = _child(args, name, [a for a in argv if a != "--largest"],
                ("--probe", f"{layers}x{width}"))
     attempts.append(r | {"layers": layers, "width": width, "fits": "error" not in r})
-    print(f"  {layers}x{width}: {'fits' if 'error' not in r else 'does not fit'}",
-          file=sys.stderr, flush=True)
+    found = ("does not fit" if "error" in r else
+             f"fits: {r['parameters']:,} parameters, peak "
+             f"{(r['peak_bytes'] or 0) / 2**30:.2f} GiB")  # noted as it goes: a cut run keeps it
+    print(f"  {name} {layers}x{width}: {found}", file=sys.stderr, flush=True)
     return "error" not in r
 
   k, _ = largest_fitting(len(args.ladder), fits)
