@@ -126,3 +126,17 @@ def test_the_largest_model_search_runs_each_attempt_in_a_process(tmp_path):
   assert [(a["layers"], a["fits"]) for a in r["attempts"]] == [(2, True), (3, True)]
   proc = _bench("--largest", "--ladder", "12by768")
   assert proc.returncode == 2 and "a ladder is comma-separated LAYERSxWIDTH" in proc.stderr
+
+
+def test_an_attempt_past_its_timeout_does_not_fit(tmp_path):
+  """Over the device's memory XLA's allocator retries instead of failing: an attempt that
+  runs past --attempt-timeout counts as not fitting, and says so."""
+  out = tmp_path / "largest.json"
+  proc = _bench("--largest", "--model", "tiny", "--configs", "optax", "--ladder", "1x64,2x128",
+                "--attempt-timeout", "0.01", "--corpus-bytes", "100000", "--json", str(out))
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  r = json.loads(out.read_text())["results"]["optax"]
+  assert r["largest"] is None
+  assert [(a["layers"], a["fits"]) for a in r["attempts"]] == [(2, False), (1, False)]
+  assert "timed out after 0.01 s" in r["attempts"][0]["error"]
+  assert "optax 1x64: does not fit" in proc.stderr

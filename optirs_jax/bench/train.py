@@ -78,6 +78,11 @@ def _args(argv=None) -> argparse.Namespace:
   p.add_argument("--ladder", default=None,
                  help="the sizes --largest searches, LAYERSxWIDTH,... growing (default: "
                       "GPT-2 small, medium, large, XL, then up to 104x6144)")
+  p.add_argument("--attempt-timeout", type=float, default=240.0,
+                 help="seconds an attempt of --largest may take; past them it counts as not "
+                      "fitting (over the device's memory, XLA's allocator retries every 10 s "
+                      "instead of failing: a 7.2B-parameter attempt on an H100 ran on for "
+                      "minutes)")
   p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # a child's configuration
   p.add_argument("--probe", default=None, help=argparse.SUPPRESS)  # a child's LAYERSxWIDTH
   args = p.parse_args(argv)
@@ -186,8 +191,9 @@ class _Quiet:
     pass
 
 
-def _child(args, name: str, argv, extra=()) -> dict:
-  """One configuration in a fresh process; its result, or the error it ended with. The
+def _child(args, name: str, argv, extra=(), timeout: float | None = None) -> dict:
+  """One configuration in a fresh process; its result, or the error it ended with (or
+  that it ran past ``timeout`` seconds). The
   processes share XLA's autotuning cache (``args.autotune_cache``): each would otherwise
   choose the model's matmul tilings anew, differently from run to run, and the step times
   would differ by more than the optimizer."""
@@ -196,7 +202,11 @@ def _child(args, name: str, argv, extra=()) -> dict:
   if args.autotune_cache:
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_gpu_per_fusion_autotune_cache_dir="
                         + args.autotune_cache).strip()
-  proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=None, text=True, env=env)
+  try:
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=None, text=True, env=env,
+                          timeout=timeout)
+  except subprocess.TimeoutExpired:
+    return {"config": name, "error": f"timed out after {timeout} s"}
   lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
   if proc.returncode or not lines:
     return {"config": name, "error": f"exit {proc.returncode}: {proc.stdout[-2000:]}"}
@@ -228,7 +238,7 @@ def _largest(args, name: str, argv) -> dict:
   def fits(k: int) -> bool:
     layers, width = args.ladder[k]
     r = _child(args, name, [a for a in argv if a != "--largest"],
-               ("--probe", f"{layers}x{width}"))
+               ("--probe", f"{layers}x{width}"), timeout=args.attempt_timeout)
     attempts.append(r | {"layers": layers, "width": width, "fits": "error" not in r})
     found = ("does not fit" if "error" in r else
              f"fits: {r['parameters']:,} parameters, peak "
