@@ -10,7 +10,11 @@ runs the optimizer's own float32 step (reference or kernels) and encodes the new
 .. math::
   s_t = Q\big(f(g_t, D(s_{t-1}))\big)
 
-with ``D``/``Q`` the format's decode and nearest-code encode. Leaves under
+with ``D``/``Q`` the format's decode and nearest-code encode. Where the rule's kernel runs
+(a step traced for an NVIDIA GPU, or ``backend="pallas"``) and the rule has no per-leaf
+norms, the leaves whose every field is quantized alike go through
+:mod:`._quantized_kernel`, which does all three in one pass; the other leaves are decoded
+here, stepped and encoded again (XLA drops the decodes nobody reads). Leaves under
 ``min_quantized_size`` elements, or not float32, keep their field as it is. A field is one
 ``Quantized8bit`` of two trees shaped like the params (``codes``, and ``absmax`` with
 ``optax.MaskedNode()`` where a leaf is kept), as ``optirs_jax.adam8bit``'s moments.

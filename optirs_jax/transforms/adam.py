@@ -128,9 +128,9 @@ def adam(learning_rate: optax.ScalarOrSchedule, b1: jax.typing.ArrayLike = 0.9,
       of a float32 leaf of at least ``min_quantized_size`` elements is stored in 8 bits, one
       float32 absmax per block of ``quantization_block_size`` elements along the last axis
       (the dynamic tree map, unsigned for non-negative fields, or ``float8_e4m3fn``). Each
-      step decodes the fields, runs this float32 step and encodes them again (in XLA around
-      the kernels: the memory of 8-bit state, not yet its speed; :func:`adam8bit` has
-      Adam's fused 8-bit kernel).
+      step decodes the fields, runs this float32 step and encodes them again: on a GPU
+      inside one kernel per large leaf (fp8 state on GPT-2: 1.5x float32 AdamW's fused
+      step), elsewhere in jnp.
     quantization_block_size, min_quantized_size: the blocks' size (a power of two) and the
       smallest leaf quantized.
 
