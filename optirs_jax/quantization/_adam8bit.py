@@ -38,6 +38,7 @@ from optirs_jax.transforms._checks import (
   flatten,
   learning_rate,
   match,
+  structural_int,
   structure_mismatch,
   weight_decay_value,
 )
@@ -65,18 +66,13 @@ BLOCK_SIZE = 256  # elements per quantization block along a leaf's last axis
 MIN_8BIT_SIZE = 4096  # smaller leaves keep float32 moments
 
 
-def _structural_int(fn: str, name: str, value, default: int, lo: int) -> int:
-  """A structural int (it shapes the state), ``None`` for ``default``; a concrete integer
-  array is taken (``optax.inject_hyperparams`` passes one), a traced one is an error."""
-  if value is None:
-    return default
-  try:
-    v = int(value)
-  except (TypeError, jax.errors.ConcretizationTypeError):
-    v = None
-  if isinstance(value, bool) or v is None or v != value or v < lo:
-    raise ValueError(f"{fn}: {name}={value!r} must be an int >= {lo} (a concrete value: "
-                     f"under optax.inject_hyperparams pass static_args=('{name}',))")
+def _min_8bit_size(fn: str, value) -> int:
+  """``min_8bit_size`` as an int (``None``: the default); a traced one is an error here, at
+  init, where it shapes the state."""
+  v = MIN_8BIT_SIZE if value is None else structural_int(fn, "min_8bit_size", value, 0)
+  if v is None:
+    raise ValueError(f"{fn}: min_8bit_size must be concrete at init (under "
+                     "optax.inject_hyperparams pass static_args=('min_8bit_size',))")
   return v
 
 
@@ -232,7 +228,7 @@ def _make(fn: str, learning_rate_, b1, b2, eps, weight_decay, block_size, min_8b
   if concrete(block_size):
     check_block_size(fn, BLOCK_SIZE if block_size is None else block_size)
   if concrete(min_8bit_size):
-    _structural_int(fn, "min_8bit_size", min_8bit_size, MIN_8BIT_SIZE, 0)
+    _min_8bit_size(fn, min_8bit_size)
 
   # Leaves kept in float32 are float32 Adam(W) with the same arguments: they run through its
   # executor, so on a GPU they share its grouped launches instead of one XLA kernel each.
@@ -245,7 +241,7 @@ def _make(fn: str, learning_rate_, b1, b2, eps, weight_decay, block_size, min_8b
   def init_fn(params):
     leaves, _, treedef = flatten(fn, "params", params)
     bs = check_block_size(fn, BLOCK_SIZE if block_size is None else block_size)
-    min_size = _structural_int(fn, "min_8bit_size", min_8bit_size, MIN_8BIT_SIZE, 0)
+    min_size = _min_8bit_size(fn, min_8bit_size)
     parts = list(zip(*(_init_leaf(x, bs, min_size, fmt) for x in leaves))) or [()] * 4
     tree = lambda k: jax.tree.unflatten(treedef, list(parts[k]))
     return Adam8bitState(jnp.zeros([], jnp.int32), Quantized8bit(tree(0), tree(1)),

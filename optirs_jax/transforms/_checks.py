@@ -85,6 +85,22 @@ def check_axes(fn: str, name: str, value: Any) -> None:
                      "them")
 
 
+def structural_int(fn: str, name: str, value: Any, lo: int) -> int | None:
+  """An int argument that shapes the state, as an int ``>= lo`` (a concrete integer array,
+  as ``optax.inject_hyperparams`` passes it, is taken); None where it is traced (under
+  ``inject_hyperparams`` in ``update``, where the state already says it)."""
+  if isinstance(value, jax.core.Tracer):
+    return None
+  try:
+    v = int(value)
+  except (TypeError, ValueError, jax.errors.ConcretizationTypeError):
+    v = None
+  if isinstance(value, bool) or v is None or v != value or v < lo:
+    raise ValueError(f"{fn}: {name}={value!r} must be an int >= {lo} (a concrete value: "
+                     f"under optax.inject_hyperparams pass static_args=('{name}',))")
+  return v
+
+
 def check_backend(fn: str, backend: str) -> str:
   try:
     return validate_backend(backend)

@@ -35,6 +35,7 @@ from optirs_jax.formats.blockwise import (
   format_of,
   quantize_blockwise,
 )
+from optirs_jax.transforms._checks import structural_int
 
 BLOCK_SIZE = 256
 MIN_SIZE = 4096
@@ -48,18 +49,6 @@ class Quantization:
   fmt: str
   block_size: int | None
   min_size: int | None
-
-
-def _concrete_int(fn: str, name: str, value, lo: int) -> int | None:
-  if isinstance(value, jax.core.Tracer):
-    return None  # optax.inject_hyperparams traces it in update, where the state says it
-  try:
-    v = int(value)
-  except TypeError:
-    v = None
-  if isinstance(value, bool) or v is None or v != value or v < lo:
-    raise ValueError(f"{fn}: {name}={value!r} must be an int >= {lo}")
-  return v
 
 
 def check(fn: str, arguments) -> Quantization | None:
@@ -78,7 +67,7 @@ def check(fn: str, arguments) -> Quantization | None:
       raise ValueError(f"{fn}: quantization_block_size={bs!r} must be a power of two >= 2 (a "
                        "concrete int: under optax.inject_hyperparams pass static_args="
                        "('quantization_block_size',))") from None
-  min_size = _concrete_int(fn, "min_quantized_size", arguments.get("min_quantized_size",
+  min_size = structural_int(fn, "min_quantized_size", arguments.get("min_quantized_size",
                                                                    MIN_SIZE), 0)
   return Quantization(fmt, bs, min_size)
 
