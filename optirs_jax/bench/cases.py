@@ -144,11 +144,11 @@ def _entry_case(name: str, entry: Entry) -> Opt:
              (lambda: entry.optax(lr, **kw)) if entry.optax else None, TORCH.get(name))
 
 
-def _state_quantized(name: str, fmt: str) -> Callable:
+def _state_quantized(name: str, fmt: str, **kw) -> Callable:
   """The registry's optimizer ``name`` of the benchmark's arguments, its state in ``fmt``."""
   lr = 1e-4 if name == "lion" else 1e-3
   return lambda **o: REGISTRY[name].make(lr, **_BENCH_KW.get(name, {}), state_quantization=fmt,
-                                         **o)
+                                         **kw, **o)
 
 
 # Every optimizer of the registry, and the benchmark's composite cases.
@@ -181,6 +181,10 @@ OPTIMIZERS = {name: _entry_case(name, entry) for name, entry in REGISTRY.items()
     **{f"{name}_{fmt}": Opt(nbytes, _state_quantized(name, fmt), None)
        for name, nbytes in (("lion", 14), ("adamw", 16), ("sgd", 14))
        for fmt in ("dynamic8", "fp8")},
+    # The same on XLA (backend="jnp"): the fields decoded, stepped and encoded by XLA's
+    # fusions, for the contract path's choice between the two.
+    **{f"{name}_{fmt}_xla": Opt(nbytes, _state_quantized(name, fmt, backend="jnp"), None)
+       for name, nbytes in (("lion", 14), ("adamw", 16)) for fmt in ("dynamic8", "fp8")},
 }
 
 JAX_IMPLS = ("optirs-apply", "optirs-update", "optax", "optax-flatten")
