@@ -133,24 +133,33 @@ def test_triton_inside_shard_map_and_on_a_mesh(name):
                                          place(grads)).compile().as_text().lower()
 
 
-@pytest.mark.parametrize("name", ["adam8bit", "adamw8bit"])
-def test_8bit_triton_kernel_matches_reference(name):
-  """The kernel's log10 and fused multiply-adds may round a value at a code boundary the
-  other way: codes agree almost everywhere, and where not, by one step."""
+def _three_steps_on_kernels_and_reference(make):
+  """Three fused steps of ``make(backend)``'s optimizer on :data:`BIG` (one seed's params
+  and gradients) with ``backend="auto"`` (the Triton kernels here) and ``"jnp"``: the
+  ``(params, state)`` of each, and the kernels' compiled step as HLO text."""
   rng = np.random.default_rng(0)
   params = {k: jnp.asarray(rng.standard_normal(s), jnp.float32) for k, s in BIG.items()}
   grads = jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape), jnp.float32), params)
   out = {}
   for backend in ("auto", "jnp"):
-    tx = getattr(optirs_jax, name)(1e-3, backend=backend)
+    tx = make(backend)
     step = jax.jit(lambda p, s, g, tx=tx: optirs_jax.apply(tx, g, s, p))
     p, s = params, tx.init(params)
     for _ in range(3):
       p, s = step(p, s, grads)
     out[backend] = (p, s)
     if backend == "auto":
-      assert "triton" in step.lower(params, tx.init(params), grads).compile().as_text().lower()
-  (p_gpu, s_gpu), (p_ref, s_ref) = out["auto"], out["jnp"]
+      text = step.lower(params, tx.init(params), grads).compile().as_text()
+  return out["auto"], out["jnp"], text
+
+
+@pytest.mark.parametrize("name", ["adam8bit", "adamw8bit"])
+def test_8bit_triton_kernel_matches_reference(name):
+  """The kernel's log10 and fused multiply-adds may round a value at a code boundary the
+  other way: codes agree almost everywhere, and where not, by one step."""
+  (p_gpu, s_gpu), (p_ref, s_ref), text = _three_steps_on_kernels_and_reference(
+      lambda backend: getattr(optirs_jax, name)(1e-3, backend=backend))
+  assert "triton" in text.lower()
   chex.assert_trees_all_close(p_gpu, p_ref, rtol=1e-5, atol=1e-6)
   for field in ("mu", "nu"):
     a, b = getattr(s_gpu, field), getattr(s_ref, field)  # Quantized8bit trees
@@ -246,20 +255,10 @@ def test_quantized_state_triton_kernel_matches_reference(name, kw, fmt):
   """Any optimizer's 8-bit fields through its Triton kernel against the jnp math: codes
   agree almost everywhere (fused multiply-adds may round a value at a code boundary the
   other way), and where not, by one step."""
-  rng = np.random.default_rng(0)
-  params = {k: jnp.asarray(rng.standard_normal(s), jnp.float32) for k, s in BIG.items()}
-  grads = jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape), jnp.float32), params)
-  out = {}
-  for backend in ("auto", "jnp"):
-    tx = getattr(optirs_jax, name)(1e-3, **kw, state_quantization=fmt, backend=backend)
-    step = jax.jit(lambda p, s, g, tx=tx: optirs_jax.apply(tx, g, s, p))
-    p, s = params, tx.init(params)
-    for _ in range(3):
-      p, s = step(p, s, grads)
-    out[backend] = (p, s)
-    if backend == "auto":
-      assert f"{name}_{fmt}" in step.lower(params, tx.init(params), grads).compile().as_text()
-  (p_gpu, s_gpu), (p_ref, s_ref) = out["auto"], out["jnp"]
+  (p_gpu, s_gpu), (p_ref, s_ref), text = _three_steps_on_kernels_and_reference(
+      lambda backend: getattr(optirs_jax, name)(1e-3, **kw, state_quantization=fmt,
+                                                backend=backend))
+  assert f"{name}_{fmt}" in text
   # Lion's and SGD's steps are signs and sums: a moment one code apart moves few elements.
   chex.assert_trees_all_close(p_gpu, p_ref, rtol=1e-5, atol=2e-3 if name == "lion" else 1e-5)
   for a, b in zip(jax.tree.leaves(s_gpu), jax.tree.leaves(s_ref)):
