@@ -180,7 +180,7 @@ def build(spec: OptimizerSpec,
       if quantized_idx:
         _run_quantized(op, h, quantized_idx, g, in_kernel, weights if with_p else None,
                        outs, kernel_platforms)
-        idx = [i for i in idx if i not in quantized_idx]
+        idx = sorted(set(idx) - set(quantized_idx))
         if not idx:
           continue
       leaves = [(g[i], *(col[i] for col in columns)) + ((weights[i],) if with_p else ())

@@ -66,7 +66,6 @@ def tables_of(hvec) -> tuple[jax.Array, jax.Array]:
   return hvec[NHP:NHP + _TABLES[0]], hvec[NHP + _TABLES[0]:NHP + sum(_TABLES)]
 
 
-
 def block_step(op: ElementwiseOp, h, g, fields, extras, out_dtype, *, signed: Sequence[bool],
                fmt: str, tables=(None, None), index=None):
   """Blocks in, blocks out: ``(out, [(codes, absmax) per field])``. ``fields``: each
