@@ -76,8 +76,12 @@ def encode_magnitude(a: jax.Array, bits: int, table=None) -> jax.Array:
   table = magnitude_table(bits) if table is None else table
   top = (1 << bits) - 1
   a = a.astype(jnp.float32)
-  m0 = jnp.zeros_like(a, jnp.int32)  # (sharded as a, on an Explicit mesh)
-  for step in (1 << t for t in reversed(range(bits))):
+  # The first probe is one scalar, the same for every element: a lookup at a broadcast index
+  # would be a constant XLA folds into a leaf-sized literal (minutes of compile on a
+  # billion-parameter model).
+  half = 1 << (bits - 1)
+  m0 = jnp.where(table[half] <= a, half, 0).astype(jnp.int32)  # (sharded as a)
+  for step in (1 << t for t in reversed(range(bits - 1))):
     cand = m0 + step
     m0 = jnp.where(_lookup(table, cand) <= a, cand, m0)
   m1 = jnp.minimum(m0 + 1, top)
