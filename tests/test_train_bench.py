@@ -116,7 +116,7 @@ def test_the_largest_model_search_runs_each_attempt_in_a_process(tmp_path):
   out = tmp_path / "largest.json"
   proc = _bench("--largest", "--model", "tiny", "--configs", "optirs-fused", "--ladder",
                 "1x64,2x128,3x192", "--batch", "2", "--corpus-bytes", "100000",
-                "--json", str(out))
+                "--memory-fraction", "0.5", "--json", str(out))
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   r = json.loads(out.read_text())["results"]["optirs-fused"]
   model = GPT(GPTConfig.preset("tiny").scaled(3, 192), nnx.Rngs(0))
@@ -124,8 +124,11 @@ def test_the_largest_model_search_runs_each_attempt_in_a_process(tmp_path):
   assert r["largest"]["parameters"] == sum(x.size for x in jax.tree.leaves(
       nnx.state(model, nnx.Param)))
   assert [(a["layers"], a["fits"]) for a in r["attempts"]] == [(2, True), (3, True)]
+  assert {a["memory_fraction"] for a in r["attempts"]} == {"0.5"}  # JAX's share, passed on
   proc = _bench("--largest", "--ladder", "12by768")
   assert proc.returncode == 2 and "a ladder is comma-separated LAYERSxWIDTH" in proc.stderr
+  proc = _bench("--largest", "--memory-fraction", "1.5")
+  assert proc.returncode == 2 and "--memory-fraction must be in (0, 1], got 1.5" in proc.stderr
 
 
 def test_an_attempt_past_its_timeout_does_not_fit(tmp_path):

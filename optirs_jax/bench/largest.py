@@ -48,6 +48,8 @@ def largest_fitting(n: int, fits: Callable[[int], bool]) -> tuple[int, list[int]
 def probe(args) -> dict:
   """Builds ``args.one``'s configuration at ``args.probe`` (layers x width) and trains two
   steps: the parameters and the device's peak memory."""
+  import os
+
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -64,4 +66,5 @@ def probe(args) -> dict:
   jax.block_until_ready(value)
   stats = jax.devices()[0].memory_stats() or {}
   return {"config": args.one, "layers": layers, "width": width,
-          "parameters": run.parameters, "peak_bytes": stats.get("peak_bytes_in_use")}
+          "parameters": run.parameters, "peak_bytes": stats.get("peak_bytes_in_use"),
+          "memory_fraction": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")}

@@ -15,7 +15,8 @@ hyper-parameters and schedule; they differ in the optimizer and in the path its 
   AdamW's on the same schedule's shape and its decay 5x above (:data:`LION_SCALE`).
 * ``optax-bf16-master`` and ``bf16-master``: bfloat16 params, float32 master weights and
   dynamic loss scaling (:mod:`optirs_jax.mixed_precision`) around ``optax.adamw`` (the
-  contract path) and ``optirs_jax.adamw`` (the fused apply).
+  contract path) and ``optirs_jax.adamw`` (the fused apply); ``bf16-master-8bit`` the same
+  around ``optirs_jax.adamw(state_quantization="dynamic8")`` (the smallest state: 2 + 2 + 4 + 2 bytes a parameter).
 * ``muon``: ``optirs_jax.muon`` with bfloat16 Newton–Schulz for the blocks' matrices and
   AdamW for the embeddings, norms and biases (Muon's learning rate 0.02 on the same
   schedule's shape), through ``nnx.Optimizer``. (``optax.contrib.muon`` does not take a
@@ -73,10 +74,10 @@ def _adamw8bit(h: Hyper):
                                           weight_decay=h.weight_decay))
 
 
-def _adamw_fp8(h: Hyper):
+def _adamw_quantized(h: Hyper, state_quantization="fp8"):
   return optax.chain(optax.clip_by_global_norm(h.clip),
-                     optirs_jax.adamw(h.schedule(), b1=h.b1, b2=h.b2,
-                                      weight_decay=h.weight_decay, state_quantization="fp8"))
+                     optirs_jax.adamw(h.schedule(), b1=h.b1, b2=h.b2, weight_decay=h.weight_decay,
+                                      state_quantization=state_quantization))
 
 
 # Lion's step is a sign (each element moves by the learning rate): the usual recipe takes a
@@ -92,7 +93,11 @@ def _lion(h: Hyper, state_quantization=None):
 
 
 def _mixed(module, h: Hyper):
-  return mp.with_loss_scaling(mp.master_weights(_adamw(module, h)), mp.DynamicLossScale(2.0**15))
+  return _loss_scaled_master(_adamw(module, h))
+
+
+def _loss_scaled_master(tx):
+  return mp.with_loss_scaling(mp.master_weights(tx), mp.DynamicLossScale(2.0**15))
 
 
 MUON_LEARNING_RATE = 0.02
@@ -139,7 +144,7 @@ CONFIGS = {
     "adamw8bit": Config("optirs_jax.adamw8bit, optirs_jax.flax.Optimizer", _adamw8bit,
                         oflax.Optimizer),
     "adamw-fp8": Config("optirs_jax.adamw(state_quantization='fp8'), optirs_jax.flax.Optimizer",
-                        _adamw_fp8, oflax.Optimizer),
+                        _adamw_quantized, oflax.Optimizer),
     "lion": Config("optirs_jax.lion, optirs_jax.flax.Optimizer", _lion, oflax.Optimizer),
     "lion-dynamic8": Config("optirs_jax.lion(state_quantization='dynamic8'), "
                             "optirs_jax.flax.Optimizer",
@@ -150,6 +155,10 @@ CONFIGS = {
                                 lambda h: _mixed(optax, h), param_dtype="bfloat16"),
     "bf16-master": Config("optirs_jax.adamw, bf16 params + f32 master + loss scaling, fused",
                           lambda h: _mixed(optirs_jax, h), param_dtype="bfloat16"),
+    "bf16-master-8bit": Config("optirs_jax.adamw(state_quantization='dynamic8'), bf16 params "
+                               "+ f32 master + loss scaling, fused",
+                               lambda h: _loss_scaled_master(_adamw_quantized(h, "dynamic8")),
+                               param_dtype="bfloat16"),
     "muon": Config("optirs_jax.muon (bf16 Newton-Schulz), nnx.Optimizer",
                    lambda h: _muon(optirs_jax.muon, h, ns_dtype="bfloat16"), nnx.Optimizer),
 }

@@ -83,6 +83,10 @@ def _args(argv=None) -> argparse.Namespace:
                       "fitting (over the device's memory, XLA's allocator retries every 10 s "
                       "instead of failing: a 7.2B-parameter attempt on an H100 ran on for "
                       "minutes)")
+  p.add_argument("--memory-fraction", type=float, default=0.95,
+                 help="the share of the device's memory an attempt of --largest may take "
+                      "(XLA_PYTHON_CLIENT_MEM_FRACTION; JAX's default, 0.75, would leave a "
+                      "quarter unused)")
   p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # a child's configuration
   p.add_argument("--probe", default=None, help=argparse.SUPPRESS)  # a child's LAYERSxWIDTH
   args = p.parse_args(argv)
@@ -98,6 +102,8 @@ def _args(argv=None) -> argparse.Namespace:
     p.error(str(e))
   if args.top_kernels < 0:
     p.error(f"--top-kernels must be at least 0, got {args.top_kernels}")
+  if not 0 < args.memory_fraction <= 1:
+    p.error(f"--memory-fraction must be in (0, 1], got {args.memory_fraction}")
   for name in ("steps", "batch", "eval_every", "eval_batches", "timing_steps"):
     if getattr(args, name) < 1:
       p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
@@ -191,7 +197,8 @@ class _Quiet:
     pass
 
 
-def _child(args, name: str, argv, extra=(), timeout: float | None = None) -> dict:
+def _child(args, name: str, argv, extra=(), timeout: float | None = None,
+           env_extra: dict | None = None) -> dict:
   """One configuration in a fresh process; its result, or the error it ended with (or
   that it ran past ``timeout`` seconds). The
   processes share XLA's autotuning cache (``args.autotune_cache``): each would otherwise
@@ -202,6 +209,7 @@ def _child(args, name: str, argv, extra=(), timeout: float | None = None) -> dic
   if args.autotune_cache:
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_gpu_per_fusion_autotune_cache_dir="
                         + args.autotune_cache).strip()
+  env.update(env_extra or {})
   try:
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=None, text=True, env=env,
                           timeout=timeout)
@@ -238,7 +246,8 @@ def _largest(args, name: str, argv) -> dict:
   def fits(k: int) -> bool:
     layers, width = args.ladder[k]
     r = _child(args, name, [a for a in argv if a != "--largest"],
-               ("--probe", f"{layers}x{width}"), timeout=args.attempt_timeout)
+               ("--probe", f"{layers}x{width}"), timeout=args.attempt_timeout,
+               env_extra={"XLA_PYTHON_CLIENT_MEM_FRACTION": str(args.memory_fraction)})
     attempts.append(r | {"layers": layers, "width": width, "fits": "error" not in r})
     found = ("does not fit" if "error" in r else
              f"fits: {r['parameters']:,} parameters, peak "
