@@ -143,3 +143,14 @@ def test_an_attempt_past_its_timeout_does_not_fit(tmp_path):
   assert [(a["layers"], a["fits"]) for a in r["attempts"]] == [(2, False), (1, False)]
   assert "timed out after 0.01 s" in r["attempts"][0]["error"]
   assert "optax 1x64: does not fit" in proc.stderr
+
+
+def test_a_failed_attempt_names_the_childs_last_error_line():
+  from optirs_jax.bench.train import _last_error
+  log = ("W0000 warming up\nTraceback (most recent call last):\n  File 'x.py'\n"
+         "jax.errors.JaxRuntimeError: RESOURCE_EXHAUSTED: Out of memory while trying to "
+         "allocate 20.00GiB\n  optax 56x3072: progress\n")
+  assert _last_error(log).startswith("jax.errors.JaxRuntimeError: RESOURCE_EXHAUSTED")
+  folding = "Constant folding an instruction is taking > 2s:\n\n  %gather.603 = f32[16]\n"
+  assert _last_error(folding) == "%gather.603 = f32[16]"  # no error: the last line
+  assert _last_error("") == ""

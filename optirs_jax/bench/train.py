@@ -197,27 +197,42 @@ class _Quiet:
     pass
 
 
+def _last_error(log: str) -> str:
+  """A child's log's last line that names an error, or its last line (XLA's warnings say
+  what a compile that runs too long is doing)."""
+  lines = [line.strip() for line in log.splitlines() if line.strip()]
+  errors = [line for line in lines if "Error" in line or "error:" in line]
+  return (errors or lines or [""])[-1][:500]
+
+
 def _child(args, name: str, argv, extra=(), timeout: float | None = None,
            env_extra: dict | None = None) -> dict:
   """One configuration in a fresh process; its result, or the error it ended with (or
   that it ran past ``timeout`` seconds). The
   processes share XLA's autotuning cache (``args.autotune_cache``): each would otherwise
   choose the model's matmul tilings anew, differently from run to run, and the step times
-  would differ by more than the optimizer."""
+  would differ by more than the optimizer. A child with a ``timeout`` (an attempt of
+  ``--largest``) has its log kept, and its error names the log's last error line."""
   cmd = [sys.executable, "-m", "optirs_jax.bench.train", *argv, "--one", name, *extra]
   env = dict(os.environ)
   if args.autotune_cache:
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_gpu_per_fusion_autotune_cache_dir="
                         + args.autotune_cache).strip()
   env.update(env_extra or {})
-  try:
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=None, text=True, env=env,
-                          timeout=timeout)
-  except subprocess.TimeoutExpired:
-    return {"config": name, "error": f"timed out after {timeout} s"}
+  with tempfile.TemporaryFile("w+") as log:
+    try:
+      proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=None if timeout is None else log,
+                            text=True, env=env, timeout=timeout)
+      why = f"exit {proc.returncode}"
+    except subprocess.TimeoutExpired:
+      proc, why = None, f"timed out after {timeout} s"
+    log.seek(0)
+    said = _last_error(log.read())
+  if proc is None:
+    return {"config": name, "error": why + (f"; last: {said}" if said else "")}
   lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
   if proc.returncode or not lines:
-    return {"config": name, "error": f"exit {proc.returncode}: {proc.stdout[-2000:]}"}
+    return {"config": name, "error": f"{why}: {said or proc.stdout[-2000:]}"}
   return json.loads(lines[-1])
 
 
