@@ -114,15 +114,15 @@ def _scales_like(x, block_size: int) -> jax.Array:
 
 
 def _quantized_local(hvec, leaves, *, block_sizes, platform, l2, decoupled, fused, tiling,
-                     out_dtypes, fmt):
+                     out_dtypes, fmt, prologue):
   """8-bit leaves ``(p, g, mu codes, mu scales, nu codes, nu scales)`` on this device's
   shards: ``(out, mu codes, mu scales, nu codes, nu scales)`` each. A kernel where the
   (local) last axis is a whole number of blocks and a kernel platform runs; the jnp math on
   row blocks elsewhere."""
   outs = []
-  h = read_hyper(hvec, _kernel8.HYPER)
+  h = read_hyper(hvec, _kernel8.hyper_names(prologue))
   for (p, g, muc, mua, nuc, nua), bs, dts in zip(leaves, block_sizes, out_dtypes):
-    kw = dict(l2=l2, decoupled=decoupled, fused=fused, fmt=fmt)
+    kw = dict(l2=l2, decoupled=decoupled, fused=fused, fmt=fmt, prologue=prologue)
     if platform != "jnp" and p.shape[-1] % bs == 0:
       res = _kernel8.leaf_step(hvec, p.reshape(-1, bs), g.reshape(-1, bs),
                                muc.reshape(-1, bs), mua.reshape(-1, 1), nuc.reshape(-1, bs),
@@ -144,7 +144,7 @@ def _quantized_local(hvec, leaves, *, block_sizes, platform, l2, decoupled, fuse
 _SCALES_IN, _SCALES_OUT = (3, 5), (2, 4)
 
 
-def _step_leaves(hvec, leaves, *, platform, l2, decoupled, fused, tiling):
+def _step_leaves(hvec, leaves, *, platform, l2, decoupled, fused, tiling, prologue=()):
   """Every leaf's ``(updates or new params, new mu, new nu)``: float32 moments by the jnp
   math; 8-bit ones on each device's shards (:func:`_quantized_local`)."""
   results: list = [None] * len(leaves)
@@ -153,9 +153,10 @@ def _step_leaves(hvec, leaves, *, platform, l2, decoupled, fused, tiling):
     if isinstance(mu, Quantized8bit):
       q_idx.append(i)
       continue
-    h = read_hyper(hvec, _kernel8.HYPER)
+    h = read_hyper(hvec, _kernel8.hyper_names(prologue))
     p32 = p.astype(jnp.float32)
-    u, m, v = _kernel8.adam_math(h, p32, g, mu, nu, l2=l2, decoupled=decoupled)
+    u, m, v = _kernel8.adam_math(h, p32, g, mu, nu, l2=l2, decoupled=decoupled,
+                                 prologue=prologue)
     results[i] = (((p32 + u) if fused else u).astype(p.dtype if fused else g.dtype), m, v)
   if not q_idx:
     return results
@@ -169,7 +170,7 @@ def _step_leaves(hvec, leaves, *, platform, l2, decoupled, fused, tiling):
                   for p, g, *_ in operands]
     local = functools.partial(_quantized_local, block_sizes=[bs] * len(idx), platform=platform,
                               l2=l2, decoupled=decoupled, fused=fused, tiling=tiling,
-                              out_dtypes=out_dtypes, fmt=fmt)
+                              out_dtypes=out_dtypes, fmt=fmt, prologue=prologue)
     outs, _ = sharding.run_local(local, hvec, operands, out_dtypes, 0,
                                  blocked=sharding.Blocked(bs, _SCALES_IN, _SCALES_OUT))
     for i, (out, mc, ma, nc, na) in zip(idx, outs):
@@ -247,7 +248,7 @@ def _make(fn: str, learning_rate_, b1, b2, eps, weight_decay, block_size, min_8b
     return Adam8bitState(jnp.zeros([], jnp.int32), Quantized8bit(tree(0), tree(1)),
                          Quantized8bit(tree(2), tree(3)))
 
-  def step(grads, state, params, fused: bool):
+  def step(grads, state, params, fused: bool, prologue=()):
     gl, paths, treedef = flatten(fn, "updates", grads)
     wd, has_wd = weight_decay_value(weight_decay, state.count)
     if params is None:
@@ -261,11 +262,14 @@ def _make(fn: str, learning_rate_, b1, b2, eps, weight_decay, block_size, min_8b
     count = state.count
     t = as_float(optax.safe_increment(count))
     neg_lr, _ = learning_rate(learning_rate_, count)
+    kinds = tuple(kind for kind, _ in prologue)  # chain links folded in (optirs_jax.fusion)
+    links = {f"pro{k}_{name}": v for k, (_, values) in enumerate(prologue)
+             for name, v in values.items()}
     hvec = _kernel8.with_tables(hyper_vector(
         dict(b1=b1, c1=1 - b1, b2=b2, c2=1 - b2, eps=eps, bc1=1 - b1**t, bc2=1 - b2**t, wd=wd,
-             neg_lr=neg_lr), _kernel8.HYPER))
+             neg_lr=neg_lr, **links), _kernel8.hyper_names(kinds)))
     kw = dict(l2=has_wd and not decoupled, decoupled=has_wd and decoupled, fused=fused,
-              tiling=tiling)
+              tiling=tiling, prologue=kinds)
 
     def run(platform):  # a branch of the arrays it is given (it may run at lowering time)
       def go(args):
@@ -283,7 +287,7 @@ def _make(fn: str, learning_rate_, b1, b2, eps, weight_decay, block_size, min_8b
       take = lambda xs: [xs[i] for i in f32]
       s32 = AdamState(count, take(mus), take(nus))
       if fused:
-        out, s32 = small.update.fused_apply(take(gl), s32, take(pl_))
+        out, s32 = small.update.fused_apply(take(gl), s32, take(pl_), prologue=prologue)
       else:
         out, s32 = small.update(take(gl), s32, None if params is None else take(pl_))
       for j, i in enumerate(f32):
@@ -310,14 +314,13 @@ def _make(fn: str, learning_rate_, b1, b2, eps, weight_decay, block_size, min_8b
   def fused_apply(grads, state, params, *, master=None, inv_scale=None, finite=None,
                   prologue=(), **unused):
     del unused  # a param_seed: 8-bit Adam rounds to nearest
-    if master is not None or inv_scale is not None or finite is not None or prologue:
+    if master is not None or inv_scale is not None or finite is not None:
       # Not yet in the 8-bit kernel: optirs_jax.apply runs update + apply_updates.
-      raise NotFused(f"{fn} does not fold master weights, loss scaling or chain links in")
-    return step(grads, state, params, fused=True)
+      raise NotFused(f"{fn} does not fold master weights or loss scaling in")
+    return step(grads, state, params, fused=True, prologue=prologue)
 
   update_fn.fused_apply = fused_apply
   update_fn.optirs_name = fn
-  update_fn.folds_links = False  # optirs_jax.fusion: a chain's links are not folded in yet
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 

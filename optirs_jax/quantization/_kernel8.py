@@ -19,18 +19,28 @@ from optirs_jax.formats.blockwise import dequantize_blocks, quantize_blocks
 from optirs_jax.pallas import sharding
 from optirs_jax.pallas.op import NHP, Hyper, read_hyper
 from optirs_jax.pallas.options import DEFAULT_OPTIONS, Tiling
+from optirs_jax.spec import apply_prologue, prologue_names
 from optirs_jax.transforms._quantized_kernel import rows_per_program, tables_of, with_tables
 
-__all__ = ["HYPER", "adam_math", "block_step", "leaf_step", "rows_per_program", "tables_of",
+__all__ = ["HYPER", "adam_math", "hyper_names", "block_step", "leaf_step", "rows_per_program", "tables_of",
            "with_tables"]
 
 # The scalars of one step, in the order of the kernel's hyper-parameter vector
 # (``pallas.op.hyper_vector(values, HYPER)``).
 HYPER = ("b1", "c1", "b2", "c2", "eps", "bc1", "bc2", "wd", "neg_lr")
-def adam_math(h: Hyper, p, g, mu, nu, *, l2: bool, decoupled: bool):
+
+
+def hyper_names(prologue: tuple[str, ...] = ()) -> tuple[str, ...]:
+  """The vector's names: Adam's, then those of the chain links folded in (``prologue``:
+  their kinds, :data:`optirs_jax.spec.PROLOGUE_SCALARS`)."""
+  return HYPER + prologue_names(prologue)
+
+
+def adam_math(h: Hyper, p, g, mu, nu, *, l2: bool, decoupled: bool, prologue=()):
   r"""Adam on float32 arrays: ``(u, mu, nu)`` with ``u = -lr * (m̂ / (sqrt(v̂) + eps) [+ wd p])``
-  (optax's order of operations; ``l2`` adds ``wd * p`` to the gradient first)."""
-  g = g.astype(jnp.float32)
+  (optax's order of operations; the links of ``prologue`` transform the gradient first, in
+  its dtype, as optax's links before the optimizer do; ``l2`` then adds ``wd * p``)."""
+  g = apply_prologue(prologue, h, g, p).astype(jnp.float32)
   if l2:
     g = g + h.wd * p
   mu = h.c1 * g + h.b1 * mu
@@ -42,14 +52,15 @@ def adam_math(h: Hyper, p, g, mu, nu, *, l2: bool, decoupled: bool):
 
 
 def block_step(h: Hyper, p, g, muc, mua, nuc, nua, out_dtype, *, l2, decoupled, fused,
-               fmt: str = "dynamic8", tables=(None, None)):
+               fmt: str = "dynamic8", tables=(None, None), prologue=()):
   """Blocks in, blocks out: ``(out, mu codes, mu absmax, nu codes, nu absmax)``, the
   moments requantized in ``fmt``; ``tables``: the signed and unsigned maps' magnitudes
   (arrays or a kernel's refs; None builds them)."""
   p32 = p.astype(jnp.float32)
   st, ut = tables
   u, mu, nu = adam_math(h, p32, g, dequantize_blocks(muc, mua, st),
-                        dequantize_blocks(nuc, nua, ut), l2=l2, decoupled=decoupled)
+                        dequantize_blocks(nuc, nua, ut), l2=l2, decoupled=decoupled,
+                        prologue=prologue)
   out = (p32 + u) if fused else u
   muc, mua = quantize_blocks(mu, signed=True, fmt=fmt, table=st)
   nuc, nua = quantize_blocks(nu, signed=False, fmt=fmt, table=ut)
@@ -61,7 +72,7 @@ def _body(h_ref, p_ref, g_ref, muc_ref, mua_ref, nuc_ref, nua_ref, *refs, **kw):
   them); the fp8 format has none."""
   tables = refs[:2] if len(refs) == 7 else (None, None)
   o_ref, muc_o, mua_o, nuc_o, nua_o = refs[-5:]
-  h = read_hyper(h_ref, HYPER)
+  h = read_hyper(h_ref, hyper_names(kw["prologue"]))
   outs = block_step(h, p_ref[...], g_ref[...], muc_ref[...], mua_ref[...], nuc_ref[...],
                     nua_ref[...], o_ref.dtype, tables=tables, **kw)
   for ref, x in zip((o_ref, muc_o, mua_o, nuc_o, nua_o), outs):
@@ -70,19 +81,20 @@ def _body(h_ref, p_ref, g_ref, muc_ref, mua_ref, nuc_ref, nua_ref, *refs, **kw):
 
 def leaf_step(hvec, p2, g2, muc, mua, nuc, nua, out_dtype, *, platform: str, l2: bool,
               decoupled: bool, fused: bool, tiling: Tiling = DEFAULT_OPTIONS.quantized_tiling,
-              fmt: str = "dynamic8"):
+              fmt: str = "dynamic8", prologue: tuple[str, ...] = ()):
   """One leaf's step on ``[num_blocks, block_size]`` views; ``mua``/``nua`` are
   ``[num_blocks, 1]``. ``platform``: ``"jnp"``, ``"cuda"`` or ``"interpret"``; ``tiling``:
   quantization blocks per program (``block_rows``) and the Triton launch settings; ``fmt``:
-  the codes' format."""
-  kw = dict(l2=l2, decoupled=decoupled, fused=fused, fmt=fmt)
+  the codes' format; ``prologue``: the kinds of the chain links folded in."""
+  kw = dict(l2=l2, decoupled=decoupled, fused=fused, fmt=fmt, prologue=prologue)
+  names = hyper_names(prologue)
   args = (p2, g2, muc, mua, nuc, nua)
   if platform == "interpret" and any(sharding.varying_axes(x) for x in args):
     platform = "jnp"  # Pallas' interpreter cannot check varying axes inside a shard_map
   if platform == "cuda" and p2.shape[-1] & (p2.shape[-1] - 1):
     platform = "jnp"  # a row of one short block (Triton's blocks are powers of two)
   if platform == "jnp":
-    return block_step(read_hyper(hvec, HYPER), *args, out_dtype, tables=tables_of(hvec), **kw)
+    return block_step(read_hyper(hvec, names), *args, out_dtype, tables=tables_of(hvec), **kw)
   tables = tables_of(hvec) if fmt == "dynamic8" else ()
   hvec, *args = sharding.vary_alike((hvec, *args, *tables))  # a kernel's operands vary alike
   args, tables = args[:6], args[6:]
@@ -118,6 +130,6 @@ def leaf_step(hvec, p2, g2, muc, mua, nuc, nua, out_dtype, *, platform: str, l2:
   start = programs * rows
   if start == nb:
     return results
-  tail = block_step(read_hyper(hvec, HYPER), *(x[start:] for x in args), out_dtype,
+  tail = block_step(read_hyper(hvec, names), *(x[start:] for x in args), out_dtype,
                     tables=tables_of(hvec), **kw)
   return tuple(y.at[start:].set(t) for y, t in zip(results, tail))
