@@ -367,6 +367,29 @@ def test_8bit_state_is_sharded_as_the_params_and_nothing_is_gathered(make, backe
       assert not re.findall(r"all-reduce\(", hlo)
 
 
+@pytest.mark.parametrize("backend", ["jnp", "pallas"])
+def test_8bit_adam_with_links_folded_in_is_sharded_as_the_params(backend):
+  """chain(clip_by_global_norm, add_decayed_weights, adamw8bit) through apply: the links run
+  in the 8-bit kernel on each shard; the norm's partial sums are the one collective."""
+  mesh = jax.make_mesh((4, 2), ("a", "b"), axis_types=(AxisType.Explicit,) * 2)
+  specs = LAYOUTS_8BIT["tp"]
+  params, grads = tree(0, SHAPES_8BIT), jax.tree.map(lambda x: 0.5 * x + 0.1, tree(1, SHAPES_8BIT))
+  tx = optax.chain(optax.clip_by_global_norm(1.0), optax.add_decayed_weights(1e-3),
+                   optirs_jax.adamw8bit(1e-2, min_8bit_size=1024, backend=backend))
+  step = jax.jit(lambda p, s, g: optirs_jax.apply(tx, g, s, p))
+  want = step(params, step(params, tx.init(params), grads)[1], grads)
+  with jax.set_mesh(mesh):
+    p, g = place(params, mesh, specs), place(grads, mesh, specs)
+    s = tx.init(p)
+    got = step(p, step(p, s, g)[1], g)
+    chex.assert_trees_all_close(got, want, rtol=1e-6, atol=1e-7)
+    for k, spec in specs.items():
+      for x in (got[0][k], got[1][-1].mu.codes[k], got[1][-1].nu.codes[k]):
+        assert x.sharding.is_equivalent_to(NamedSharding(mesh, spec), x.ndim), (k, spec)
+    hlo = step.lower(p, s, g).compile().as_text()
+    assert "all-gather" not in hlo and "all-to-all" not in hlo
+
+
 # state_quantization on the other optimizers (their float32 step between a decode and an
 # encode): Lion (one signed field) and AdamW (a non-negative one too), both formats, FSDP on
 # an Auto mesh and tensor parallel on an Explicit one (sampled: CI's time).
