@@ -149,3 +149,28 @@ def test_every_option_has_help_and_the_table_headers_are_distinct():
   columns = [c.strip() for c in header if c.strip()]
   assert len(columns) == len(set(columns)), columns
   assert "kernel x optax" in columns and "call x optax" in columns
+
+
+def test_the_catalogue_table_reads_each_optimizer_of_a_committed_gpu_run(capsys):
+  """benchmarks/catalogue_table.py on run 49's JSON (an H100): each registry optimizer's
+  fused kernel time, % of copy and ratio, and optax's time, as the JSON has them."""
+  import pathlib
+  import runpy
+  root = pathlib.Path(__file__).resolve().parent.parent
+  path = root / "benchmarks" / "results" / "2026-12-06-h100-run49-bench.json"
+  table = runpy.run_path(str(root / "benchmarks" / "catalogue_table.py"))
+  report = json.loads(path.read_text())
+  got = {r["optimizer"]: r for r in table["rows"](report)}
+  assert sorted(got) == ["adamw", "lion", "sgd"]  # not the 8-bit cases: not registry names
+  for r in report["results"]:
+    if r["optimizer"] in got and r["impl"] in ("optirs-apply", "optax"):
+      row = got[r["optimizer"]]
+      if r["impl"] == "optax":
+        assert row["optax_ms"] == r["kernel_ms"]
+      else:
+        assert (row["ms"], row["pct"], row["x_optax"]) == (
+            r["kernel_ms"], r["kernel_pct_copy"], r["kernel_x_optax"])
+        assert row["met"] == (r["kernel_pct_copy"] >= 95.0)
+  assert table["main"]([str(path)]) == 0
+  out = capsys.readouterr().out
+  assert "| `adamw` | 28 | 1.166 ms (98.3%, 1.21x) | 1.406 ms | 95%: met |" in out
