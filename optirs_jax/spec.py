@@ -125,6 +125,10 @@ class OptimizerSpec:
     weight_decay: the optimizer has optax's ``weight_decay`` and ``mask`` options.
     reads_params: the rule reads ``p`` on every leaf.
     reduction: per-leaf norms and a second pass, or ``None``.
+    noise: the optimizer has optax's ``add_noise`` options ``eta``, ``gamma`` and ``key``:
+      its state holds an ``rng_key``, and each step first adds Gaussian noise of standard
+      deviation ``sqrt(eta / (t + 1) ** gamma)`` to the gradients, drawn as optax draws
+      it (XLA's counter-based generator, one key per leaf), then runs the rule.
     validate: ``validate(fn, options)``: checks beyond the kinds (a ValueError naming the
       value), or ``None``.
   """
@@ -140,6 +144,7 @@ class OptimizerSpec:
   weight_decay: bool = False
   reads_params: bool = False
   reduction: Reduction | None = None
+  noise: bool = False
   validate: Callable[[str, Mapping[str, Any]], None] | None = None
 
 

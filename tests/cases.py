@@ -52,6 +52,9 @@ def takes_schedule(name: str) -> bool:
   return dict(REGISTRY[name].spec.arguments)["learning_rate"] in ("schedule",
                                                                   "optional schedule")
 ELEMENTWISE = [name for name, entry in REGISTRY.items() if not entry.norms]
+# Optimizers that add random noise to the gradients before their rule (noisy_sgd): drawn per
+# leaf as optax draws it, in the gradients' dtype.
+NOISY = [name for name, entry in REGISTRY.items() if entry.spec.noise]
 
 
 def case_id(case) -> str:
@@ -72,8 +75,11 @@ def ragged_tree(seed: int, dtype=jnp.float32, shapes=RAGGED_SHAPES):
 
 
 def pair(name: str, kw: dict, backend: str, lr=1e-2, options=None):
-  """(optirs_jax transformation, optax transformation) for one case."""
+  """(optirs_jax transformation, optax transformation) for one case (a noisy optimizer's
+  key 0 unless the case names one: both warn without a key, as optax does)."""
   entry = REGISTRY[name]
+  if entry.spec.noise:
+    kw = {"key": 0, **kw}
   return (entry.make(lr, **kw, backend=backend, executor_options=options),
           entry.optax(lr, **kw))
 

@@ -58,6 +58,8 @@ def test_half_precision_params(case, dtype, backend):
     return
   if name == "yogi" and dtype == jnp.float16:
     return  # its moments start at 1e-6, which float16 rounds: float32 optax starts elsewhere
+  if name in cases.NOISY:
+    return  # the noise is drawn in the gradients' dtype: float32 optax draws other numbers
   up = lambda t: jax.tree.map(lambda x: x.astype(jnp.float32), t)
   u1, _ = jax.jit(ours.update)(grads, ours.init(params), params)
   with jax.numpy_dtype_promotion("standard"):

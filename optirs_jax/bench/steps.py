@@ -16,7 +16,8 @@ hyper-parameters and schedule; they differ in the optimizer and in the path its 
 * ``optax-bf16-master`` and ``bf16-master``: bfloat16 params, float32 master weights and
   dynamic loss scaling (:mod:`optirs_jax.mixed_precision`) around ``optax.adamw`` (the
   contract path) and ``optirs_jax.adamw`` (the fused apply); ``bf16-master-8bit`` the same
-  around ``optirs_jax.adamw(state_quantization="dynamic8")`` (the smallest state: 2 + 2 + 4 + 2 bytes a parameter).
+  around ``optirs_jax.adamw(state_quantization="dynamic8")`` (the smallest state: 2 + 2 +
+  4 + 2 bytes a parameter).
 * ``muon``: ``optirs_jax.muon`` with bfloat16 Newton–Schulz for the blocks' matrices and
   AdamW for the embeddings, norms and biases (Muon's learning rate 0.02 on the same
   schedule's shape), through ``nnx.Optimizer``. (``optax.contrib.muon`` does not take a

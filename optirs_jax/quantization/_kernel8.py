@@ -22,8 +22,8 @@ from optirs_jax.pallas.options import DEFAULT_OPTIONS, Tiling
 from optirs_jax.spec import apply_prologue, prologue_names
 from optirs_jax.transforms._quantized_kernel import rows_per_program, tables_of, with_tables
 
-__all__ = ["HYPER", "adam_math", "hyper_names", "block_step", "leaf_step", "rows_per_program", "tables_of",
-           "with_tables"]
+__all__ = ["HYPER", "adam_math", "block_step", "hyper_names", "leaf_step", "rows_per_program",
+           "tables_of", "with_tables"]
 
 # The scalars of one step, in the order of the kernel's hyper-parameter vector
 # (``pallas.op.hyper_vector(values, HYPER)``).

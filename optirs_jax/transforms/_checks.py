@@ -76,6 +76,21 @@ def check_seed(fn: str, name: str, value: Any) -> None:
     raise ValueError(f"{fn}: {name}={value!r} must be a non-negative 32-bit int")
 
 
+def check_key(fn: str, name: str, value: Any) -> None:
+  """A random key (``jax.random.key``'s typed key array) or an integer seed of one, as
+  optax's ``add_noise`` takes (an integer scalar array too: traced under
+  ``optax.inject_hyperparams``)."""
+  if (isinstance(value, jax.Array) and value.ndim == 0
+      and jnp.issubdtype(value.dtype, jax.dtypes.prng_key)):
+    return
+  if isinstance(value, (jax.Array, np.ndarray)) and value.ndim == 0 and jnp.issubdtype(
+      value.dtype, jnp.integer):
+    return
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+    raise TypeError(f"{fn}: {name}={value!r} must be a random key (jax.random.key(seed)) or "
+                    "an int seed")
+
+
 def check_axes(fn: str, name: str, value: Any) -> None:
   """``None``, a mesh axis name, or a tuple of them."""
   names = (value,) if isinstance(value, str) else value
