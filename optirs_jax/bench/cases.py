@@ -134,7 +134,8 @@ TORCH = {"adam": _torch("Adam", lr=1e-3), "adamw": _torch("AdamW", lr=1e-3, weig
          "rmsprop_centered": _torch("RMSprop", lr=1e-3, alpha=0.9, centered=True),
          "adagrad": _torch("Adagrad", lr=1e-3)}
 # The registry's arguments for the benchmark's cases, where they differ from the defaults.
-_BENCH_KW = {"adamw": {"weight_decay": 1e-2}, "sgd": {"momentum": 0.9}}
+_BENCH_KW = {"adamw": {"weight_decay": 1e-2}, "sgd": {"momentum": 0.9},
+             "noisy_sgd": {"key": 0}}  # (without a key both warn, as optax does)
 
 
 def _entry_case(name: str, entry: Entry) -> Opt:
