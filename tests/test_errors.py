@@ -180,3 +180,25 @@ def test_one_rule_for_decay_rates_everywhere(make):
     with pytest.raises(ValueError, match=r"must be in \[0, 1\)"):
       make(bad)
   make(0.0), make(0.999)
+
+
+def test_noisy_sgd_takes_its_key_as_optax_does():
+  """A typed key or an int seed of one (the same noise); optax's warning without one and its
+  deprecated ``seed``; anything else a TypeError naming the value."""
+  params = {"w": jnp.ones(5)}
+  grads = {"w": jnp.full(5, 0.5)}
+  run = lambda tx: tx.update(grads, tx.init(params), params)[0]["w"]
+  by_int = run(optirs_jax.noisy_sgd(0.1, key=4))
+  np.testing.assert_array_equal(run(optirs_jax.noisy_sgd(0.1, key=jax.random.key(4))), by_int)
+  assert not np.array_equal(run(optirs_jax.noisy_sgd(0.1, key=5)), by_int)
+  with pytest.warns(UserWarning, match="no key given, 0 is used"):
+    no_key = optirs_jax.noisy_sgd(0.1)
+  np.testing.assert_array_equal(run(no_key), run(optirs_jax.noisy_sgd(0.1, key=0)))
+  with pytest.warns(DeprecationWarning, match='"seed" is deprecated'):
+    np.testing.assert_array_equal(run(optirs_jax.noisy_sgd(0.1, seed=4)), by_int)
+  with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="only one of seed=4"):
+    optirs_jax.noisy_sgd(0.1, key=1, seed=4)
+  with pytest.raises(TypeError, match=r"key='a' must be a random key \(jax.random.key"):
+    optirs_jax.noisy_sgd(0.1, key="a")
+  with pytest.raises(TypeError, match="key=1.5 must be"):
+    optirs_jax.noisy_sgd(0.1, key=1.5)
