@@ -35,12 +35,9 @@ import jax.numpy as jnp
 import optax
 
 from optirs_jax.global_norm import global_norm
+from optirs_jax.spec import NotFused
 
 FusedStep = Callable[..., tuple]
-
-
-class NotFused(Exception):
-  """A transformation (or, known only at run time, its inner one) that has no fused step."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -148,6 +148,11 @@ class OptimizerSpec:
   validate: Callable[[str, Mapping[str, Any]], None] | None = None
 
 
+class NotFused(Exception):
+  """A transformation (or, known only at run time, its inner one) that has no fused step
+  (:mod:`optirs_jax.fusion` falls back to ``update`` + ``apply_updates``)."""
+
+
 # What an optax link before the optimizer does to each gradient element, folded into the
 # optimizer's pass (:mod:`optirs_jax.fusion`): the scalars it reads (``h.pro<k>_<name>``, the
 # k-th link's), whether it reads the params, and the element function, in optax's own order

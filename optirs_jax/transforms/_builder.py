@@ -29,7 +29,7 @@ from optirs_jax.pallas.sharding import varying_axes
 from optirs_jax.rounding import split16
 from optirs_jax.spec import BoundRule, OptimizerSpec, prologue_names
 from optirs_jax.transforms import _checks as c
-from optirs_jax.transforms import _quantized, _quantized_kernel
+from optirs_jax.transforms import _noise, _quantized, _quantized_kernel
 from optirs_jax.transforms._wiring import check_wiring
 
 # What each kind of argument a spec declares must be.
@@ -101,7 +101,7 @@ def build(spec: OptimizerSpec,
         return jax.tree.map(lambda x: jnp.asarray(value, dtype=dtype or x.dtype), params)
       return optax.tree.full_like(params, value, dtype=dtype)
 
-    state = spec.state(count=jnp.zeros([], jnp.int32), **_noise_key(options),
+    state = spec.state(count=jnp.zeros([], jnp.int32), **_noise.key_state(spec, options),
                        **{f.name: init(f) if f.exists(options) else None for f in spec.fields})
     if quantization is not None:
       state = _quantized.encode_fields(fn, state, spec.fields, quantization)
@@ -111,15 +111,9 @@ def build(spec: OptimizerSpec,
            param_seed=OWN, prologue=()):
     kw = dict(fused=fused, master=master, inv_scale=inv_scale, finite=finite,
               param_seed=param_seed, prologue=prologue)
-    if spec.noise:
-      if prologue or inv_scale is not None or master is not None:
-        from optirs_jax.fusion import NotFused  # (fusion imports the optimizers)
-        # The noise is added before the kernel: links, unscaling and master weights would
-        # come after it there, and before it in optax. The callers fall back.
-        raise NotFused(f"{fn} draws its noise before the kernel: links, loss scaling and "
-                       "master weights are not folded in")
-      updates, rng_key = _add_noise(options, updates, state, finite)
-      state = state._replace(rng_key=rng_key)  # (carried through to the new state)
+    if spec.noise:  # optax's add_noise first, in XLA (the new key rides in the state)
+      updates, state = _noise.add(fn, options, updates, state, finite, folded=bool(prologue)
+                                  or inv_scale is not None or master is not None)
     if quantization is None:
       return float_step(updates, state, params, **kw)
     # The float32 step between a decode and an encode of the quantized fields.
@@ -226,7 +220,7 @@ def build(spec: OptimizerSpec,
     new_count = optax.safe_increment(count)
     if finite is not None:
       new_count = jnp.where(finite, new_count, count)
-    new_state = spec.state(count=new_count, **({"rng_key": state.rng_key} if spec.noise else {}),
+    new_state = spec.state(count=new_count, **_noise.carried(spec, state),
                            **{f.name: new_fields.get(f.name) for f in spec.fields})
     result = (jax.tree.unflatten(treedef, first), new_state)
     if m is not None:
@@ -296,40 +290,9 @@ def build(spec: OptimizerSpec,
   update_fn.fused_apply = fused_apply
   update_fn.guarded_update = guarded_update
   update_fn.optirs_name = spec.name
-  if spec.noise:
-    update_fn.folds_links = False  # optirs_jax.fusion: the noise comes before the kernel
+  update_fn.folds_links = not spec.noise  # (optirs_jax.fusion; noise comes before the kernel)
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
-
-def _noise_key(options) -> dict:
-  """The state's ``rng_key`` where the spec adds noise (optax's ``add_noise``'s key)."""
-  if "key" not in options:
-    return {}
-  key = options["key"]
-  if isinstance(key, jax.Array) and jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
-    return {"rng_key": key}
-  return {"rng_key": jax.random.key(key)}
-
-
-def _add_noise(options, updates, state, finite):
-  """optax's ``add_noise``: the updates plus Gaussian noise of standard deviation
-  ``sqrt(eta / (count + 1) ** gamma)``, one key per leaf split from a fresh one; the new
-  key (the old one where ``finite`` is False: a skipped step draws nothing)."""
-  count_inc = optax.safe_increment(state.count)
-  with jax.numpy_dtype_promotion("standard"):  # optax's arithmetic, whatever the mode
-    std = jnp.sqrt(options["eta"] / count_inc ** options["gamma"])
-  rng_key, sample_key = jax.random.split(state.rng_key)
-  noise = optax.tree.random_like(sample_key, updates, sampler=jax.random.normal)
-  with jax.numpy_dtype_promotion("standard"):
-    return _noisy(updates, std, noise, finite, rng_key, state.rng_key)
-
-
-def _noisy(updates, std, noise, finite, rng_key, old_key):
-  if finite is not None:
-    rng_key = jax.random.wrap_key_data(jnp.where(finite, jax.random.key_data(rng_key),
-                                                 jax.random.key_data(old_key)),
-                                       impl=jax.random.key_impl(rng_key))
-  return optax.tree.add_scale(updates, std, noise), rng_key
 
 
 @dataclasses.dataclass(frozen=True)
