@@ -172,6 +172,14 @@ def prologue_names(kinds: tuple[str, ...]) -> tuple[str, ...]:
                for name in PROLOGUE_SCALARS[kind])
 
 
+def prologue_scalars(prologue) -> tuple[tuple[str, ...], dict]:
+  """``(kinds, {hyper-parameter name: value})`` of a prologue given as ``(kind, {name:
+  value})`` per link (what :mod:`optirs_jax.fusion` hands a fused step)."""
+  return (tuple(kind for kind, _ in prologue),
+          {f"pro{k}_{name}": v for k, (_, values) in enumerate(prologue)
+           for name, v in values.items()})
+
+
 def apply_prologue(kinds: tuple[str, ...], h, g, p):
   """The links ``kinds`` applied to the gradient ``g`` (``p``: the params, read by
   ``add_decayed_weights``), each as optax computes it."""

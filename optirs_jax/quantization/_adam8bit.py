@@ -28,6 +28,7 @@ from optirs_jax.pallas.dispatch import lowering_targets
 from optirs_jax.pallas.op import hyper_vector, read_hyper
 from optirs_jax.pallas.options import ExecutorOptions
 from optirs_jax.quantization import _kernel8
+from optirs_jax.spec import prologue_scalars
 from optirs_jax.transforms._checks import (
   as_float,
   check_backend,
@@ -149,11 +150,11 @@ def _step_leaves(hvec, leaves, *, platform, l2, decoupled, fused, tiling, prolog
   math; 8-bit ones on each device's shards (:func:`_quantized_local`)."""
   results: list = [None] * len(leaves)
   q_idx = []
+  h = read_hyper(hvec, _kernel8.hyper_names(prologue))
   for i, (p, g, mu, nu) in enumerate(leaves):
     if isinstance(mu, Quantized8bit):
       q_idx.append(i)
       continue
-    h = read_hyper(hvec, _kernel8.hyper_names(prologue))
     p32 = p.astype(jnp.float32)
     u, m, v = _kernel8.adam_math(h, p32, g, mu, nu, l2=l2, decoupled=decoupled,
                                  prologue=prologue)
@@ -262,9 +263,7 @@ def _make(fn: str, learning_rate_, b1, b2, eps, weight_decay, block_size, min_8b
     count = state.count
     t = as_float(optax.safe_increment(count))
     neg_lr, _ = learning_rate(learning_rate_, count)
-    kinds = tuple(kind for kind, _ in prologue)  # chain links folded in (optirs_jax.fusion)
-    links = {f"pro{k}_{name}": v for k, (_, values) in enumerate(prologue)
-             for name, v in values.items()}
+    kinds, links = prologue_scalars(prologue)  # chain links folded in (optirs_jax.fusion)
     hvec = _kernel8.with_tables(hyper_vector(
         dict(b1=b1, c1=1 - b1, b2=b2, c2=1 - b2, eps=eps, bc1=1 - b1**t, bc2=1 - b2**t, wd=wd,
              neg_lr=neg_lr, **links), _kernel8.hyper_names(kinds)))

@@ -27,7 +27,7 @@ from optirs_jax.pallas.op import ElementwiseOp, Hyper, output_dtypes
 from optirs_jax.pallas.options import ExecutorOptions
 from optirs_jax.pallas.sharding import varying_axes
 from optirs_jax.rounding import split16
-from optirs_jax.spec import BoundRule, OptimizerSpec, prologue_names
+from optirs_jax.spec import BoundRule, OptimizerSpec, prologue_names, prologue_scalars
 from optirs_jax.transforms import _checks as c
 from optirs_jax.transforms import _noise, _quantized, _quantized_kernel
 from optirs_jax.transforms._wiring import check_wiring
@@ -152,9 +152,8 @@ def build(spec: OptimizerSpec,
     if inv_scale is not None:
       scalars["inv_scale"] = inv_scale
     # optax links folded in before the rule (optirs_jax.fusion): (kind, {name: value}) each.
-    kinds = tuple(kind for kind, _ in prologue)
-    scalars.update({f"pro{k}_{name}": v for k, (_, values) in enumerate(prologue)
-                    for name, v in values.items()})
+    kinds, links = prologue_scalars(prologue)
+    scalars.update(links)
     if finite is not None:
       scalars["finite"] = jnp.asarray(finite).astype(jnp.float32)
     if seed is not None or param_seed is not None:
@@ -292,7 +291,6 @@ def build(spec: OptimizerSpec,
   update_fn.optirs_name = spec.name
   update_fn.folds_links = not spec.noise  # (optirs_jax.fusion; noise comes before the kernel)
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
-
 
 
 @dataclasses.dataclass(frozen=True)

@@ -76,12 +76,16 @@ def check_seed(fn: str, name: str, value: Any) -> None:
     raise ValueError(f"{fn}: {name}={value!r} must be a non-negative 32-bit int")
 
 
+def is_random_key(value: Any) -> bool:
+  """A typed random key array (``jax.random.key``'s)."""
+  return isinstance(value, jax.Array) and jnp.issubdtype(value.dtype, jax.dtypes.prng_key)
+
+
 def check_key(fn: str, name: str, value: Any) -> None:
   """A random key (``jax.random.key``'s typed key array) or an integer seed of one, as
   optax's ``add_noise`` takes (an integer scalar array too: traced under
   ``optax.inject_hyperparams``)."""
-  if (isinstance(value, jax.Array) and value.ndim == 0
-      and jnp.issubdtype(value.dtype, jax.dtypes.prng_key)):
+  if is_random_key(value) and value.ndim == 0:
     return
   if isinstance(value, (jax.Array, np.ndarray)) and value.ndim == 0 and jnp.issubdtype(
       value.dtype, jnp.integer):

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import optax
 
 from optirs_jax.spec import NotFused
+from optirs_jax.transforms._checks import is_random_key
 
 
 def key_state(spec, options) -> dict:
@@ -16,9 +17,7 @@ def key_state(spec, options) -> dict:
   if not spec.noise:
     return {}
   key = options["key"]
-  if isinstance(key, jax.Array) and jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
-    return {"rng_key": key}
-  return {"rng_key": jax.random.key(key)}
+  return {"rng_key": key if is_random_key(key) else jax.random.key(key)}
 
 
 def carried(spec, state) -> dict:
@@ -35,14 +34,12 @@ def add(fn: str, options, updates, state, finite, *, folded: bool):
   if folded:
     raise NotFused(f"{fn} draws its noise before the kernel: links, loss scaling and master "
                    "weights are not folded in")
-  count_inc = optax.safe_increment(state.count)
-  with jax.numpy_dtype_promotion("standard"):  # optax's arithmetic, whatever the mode
-    std = jnp.sqrt(options["eta"] / count_inc ** options["gamma"])
   rng_key, sample_key = jax.random.split(state.rng_key)
-  noise = optax.tree.random_like(sample_key, updates, sampler=jax.random.normal)
   if finite is not None:
     rng_key = jax.random.wrap_key_data(jnp.where(finite, jax.random.key_data(rng_key),
                                                  jax.random.key_data(state.rng_key)),
                                        impl=jax.random.key_impl(rng_key))
-  with jax.numpy_dtype_promotion("standard"):
+  with jax.numpy_dtype_promotion("standard"):  # optax's arithmetic, whatever the mode
+    std = jnp.sqrt(options["eta"] / optax.safe_increment(state.count) ** options["gamma"])
+    noise = optax.tree.random_like(sample_key, updates, sampler=jax.random.normal)
     return optax.tree.add_scale(updates, std, noise), state._replace(rng_key=rng_key)
