@@ -173,6 +173,9 @@ OPTIMIZERS = {name: _entry_case(name, entry) for name, entry in REGISTRY.items()
     # optax equivalent: compare with the "adam" case of the same run.
     "adam8bit": Opt(16, lambda **o: optirs_jax.adam8bit(1e-3, **o), None),
     "adamw8bit": Opt(16, lambda **o: optirs_jax.adamw8bit(1e-3, **o), None),
+    # The usual recipe on 8-bit AdamW: the links fold into its kernel, g read once more for
+    # the global norm, 16 + 4 = 20 bytes per parameter.
+    "adamw8bit_clip": Opt(20, lambda **o: _clipped(optirs_jax.adamw8bit(1e-3, **o)), None),
     # The same bytes with float8_e4m3fn codes (state_quantization="fp8").
     "adamw8bit_fp8": Opt(16, lambda **o: optirs_jax.adamw8bit(
         1e-3, state_quantization="fp8", **o), None),
