@@ -24,12 +24,11 @@ import optax
 
 from optirs_jax.pallas.dispatch import check_pallas_dtypes, execute, lowering_targets
 from optirs_jax.pallas.op import ElementwiseOp, Hyper, output_dtypes
-from optirs_jax.pallas.options import ExecutorOptions
-from optirs_jax.pallas.sharding import varying_axes
 from optirs_jax.rounding import split16
 from optirs_jax.spec import BoundRule, OptimizerSpec, prologue_names, prologue_scalars
 from optirs_jax.transforms import _checks as c
 from optirs_jax.transforms import _noise, _quantized, _quantized_kernel
+from optirs_jax.transforms import _second_pass as second_pass
 from optirs_jax.transforms._wiring import check_wiring
 
 # What each kind of argument a spec declares must be.
@@ -205,11 +204,11 @@ def build(spec: OptimizerSpec,
       masked = ([True] * len(g) if spec.reduction.mask is None else
                 c.mask_flags(fn, options[spec.reduction.mask], updates, treedef))
       if spec.reduction.between is not None:
-        norms, leaf_out = _between(spec.reduction.between, h, norms, leafwise, leaf_columns,
-                                   guard=finite is not None)
+        norms, leaf_out = second_pass.between(spec.reduction.between, h, norms, leafwise,
+                                              leaf_columns, guard=finite is not None)
         new_fields |= {f.name: jax.tree.unflatten(treedef, col)
                        for f, col in zip(leafwise, leaf_out)}
-      first, new_master, late_out = _finish(
+      first, new_master, late_out = second_pass.finish(
           spec, h, first, weights, p, m, norms, uses_master, late, late_columns, masked,
           fused=fused, guard=finite is not None, rounding=seed is not None,
           param_rounding=param_seed is not None, cast_lr=cast_lr, backend=backend,
@@ -343,106 +342,3 @@ def _op(spec: OptimizerSpec, options, names, mode: _Mode, *, decay: bool):
       name=spec.name, indexed=rule.indexed, mixed_on_kernels=rule.widens_mixed,
       unguarded=rule.unguarded())
   return op, with_p, with_low
-
-
-@dataclasses.dataclass(frozen=True)
-class _WithNorms:
-  """A reduction's ``finish`` as a rule ``(h, r, *, p, cast_lr, <fields>) -> (update,
-  *fields)``: the leaf's norms are the per-leaf scalars ``h.norm_0``, ``h.norm_1``, ..."""
-
-  finish: Any
-  n: int
-  has_fields: bool = False
-
-  def __call__(self, h, g, *, p, cast_lr, **fields_and_static):
-    out = self.finish(h, g, p, *(h[f"norm_{k}"] for k in range(self.n)), cast_lr=cast_lr,
-                      **fields_and_static)
-    return tuple(out) if self.has_fields else (out,)
-
-
-def _finish_op(spec: OptimizerSpec, n_norms: int, late: tuple, *, fused: bool, master: bool,
-               guard: bool, rounding: bool, param_rounding: bool, cast_lr: bool,
-               masked: bool | None = None) -> ElementwiseOp:
-  """The reduction's second pass as an elementwise op over ``(r, *late fields, p[,
-  p_low])``: the update, or on the fused apply the new params in place (and the new master),
-  and the late fields in place, with the guard and the rounding (of the late fields and of
-  the new params); the norms are per-leaf scalars."""
-  names = tuple(f.name for f in late)
-  static = (("cast_lr", cast_lr),) + ((("masked", masked),) if masked is not None else ())
-  rule = BoundRule(_WithNorms(spec.reduction.finish, n_norms, bool(names)), names, True,
-                   static, apply=fused and not master, master=master,
-                   guard=guard, rounding=rounding and bool(names),
-                   param_rounding=param_rounding)
-  n = len(names)
-  aliases = tuple((1 + k, 1 + k) for k in range(n))  # the late fields in place
-  if master:  # (r, *fields, master, p_low) -> (p_low, *fields, master)
-    aliases += ((2 + n, 0), (1 + n, 1 + n))
-  else:  # (r, *fields, p) -> the new params in p's buffer, or the update in r's
-    aliases += ((1 + n, 0),) if fused else ((0, 0),)
-  hyper = spec.hyper + (("finite",) if guard else ()) + (
-      ("count_lo", "count_hi") if rule.indexed else ()) + (
-      ("seed_lo", "seed_hi") if rule.rounding else ()) + (
-      ("pseed_lo", "pseed_hi") if param_rounding else ())
-  pads = (0.0, *(f.pad for f in late)) + (0.0,) * (1 + master)
-  return ElementwiseOp(rule, hyper, pads, aliases, name=f"{spec.name}_finish",
-                       indexed=rule.indexed, mixed_on_kernels=rule.widens_mixed,
-                       leaf_hyper=tuple(f"norm_{k}" for k in range(n_norms)),
-                       unguarded=rule.unguarded())
-
-
-def _between(between, h, norms, leafwise, leaf_columns, *, guard: bool):
-  """A reduction's scalar step between its passes, per leaf: the values its finish reads in
-  place of the norms, and the new per-leaf fields (in their dtypes; kept on a skipped
-  step)."""
-  values = []
-  new = [[None] * len(norms) for _ in leafwise]
-  for i, leaf_norms in enumerate(norms):
-    with jax.numpy_dtype_promotion("standard"):
-      v, fresh = between(h, *leaf_norms, **{f.name: col[i] for f, col in zip(leafwise,
-                                                                              leaf_columns)})
-    values.append(tuple(v))
-    for k, (x, col) in enumerate(zip(fresh, leaf_columns)):
-      x = jnp.asarray(x).astype(col[i].dtype)
-      new[k][i] = jnp.where(jnp.asarray(h.finite) > 0, x, col[i]) if guard else x
-  return values, new
-
-
-def _finish(spec: OptimizerSpec, h, first, weights, p, m, norms, uses_master, late,
-            late_columns, masked, *, fused: bool, guard: bool, rounding: bool,
-            param_rounding: bool, cast_lr: bool, backend: str, options: ExecutorOptions):
-  """The reduction's second pass, one elementwise op per variant (with or without a master
-  copy; masked or not) through the executors: on the GPU one grouped launch reads each
-  leaf's norms from its hyper-parameter vector; on the reference XLA fuses it per leaf.
-  Returns the updates (or new params), the new masters and the ``late`` fields' columns."""
-  outs: list[Any] = [None] * len(first)
-  masters = list(m) if m is not None else None
-  late_out = [[None] * len(first) for _ in late_columns]
-  n_norms = len(norms[0]) if norms else 0  # the norms, or what between() made of them
-  # Inside a shard_map a leaf's norms vary over the axes its shards do (unless summed over
-  # them): leaves whose norms vary alike share one array of norms, so a replicated leaf's
-  # update stays replicated.
-  kinds = [frozenset().union(*(varying_axes(x) for x in norms[i])) for i in range(len(first))]
-  variants = sorted(set(zip(uses_master, kinds, masked)),
-                    key=lambda v: (v[0], sorted(v[1]), v[2]))
-  for in_master, kind, mask in variants:
-    idx = [i for i in range(len(first))
-           if (uses_master[i], kinds[i], masked[i]) == (in_master, kind, mask)]
-    op = _finish_op(spec, n_norms, late, fused=fused, master=in_master, guard=guard,
-                    rounding=rounding, param_rounding=fused and param_rounding, cast_lr=cast_lr,
-                    masked=mask if spec.reduction.mask is not None else None)
-    leaves = [(first[i], *(col[i] for col in late_columns), weights[i])
-              + ((p[i],) if in_master else ()) for i in idx]
-    # One row of norms per leaf, in the widest of their dtypes (float64 norms of float64
-    # leaves stay exact; float32 ones convert back exactly).
-    with jax.numpy_dtype_promotion("standard"):
-      dtype = jnp.result_type(*(x for i in idx for x in norms[i]))
-    values = [tuple(norms[i][k].astype(dtype) for k in range(n_norms)) for i in idx]
-    o, _ = execute(op, h, leaves, backend=backend, options=options, fused_apply=fused,
-                   leaf_values=values)
-    for j, i in enumerate(idx):
-      outs[i] = o[j][0]
-      for k in range(len(late_columns)):
-        late_out[k][i] = o[j][1 + k]
-      if in_master:
-        masters[i] = o[j][-1]
-  return outs, masters, late_out
