@@ -89,6 +89,10 @@ class Reduction:
       the norms, and the spec's ``per_leaf`` fields (keywords here) become the new ones
       (NovoGrad: its second moment is an average of the gradient's squared norm). ``None``:
       the finish gets the norms.
+    means: in place of each norm, the mean of the squares ``sum(|x|^2) / x.size``, as
+      ``jnp.mean(abs_sq(x))`` computes it (Adafactor's block RMS clipping and parameter
+      scale read root means, which a rounded norm cannot give back exactly).
+    static: ``static(options) -> {keyword: value}``: the finish's static keywords.
   """
 
   inputs: tuple[str, ...]
@@ -97,6 +101,36 @@ class Reduction:
   fields: tuple[str, ...] = ()
   mask: str | None = None
   between: Callable | None = None
+  means: bool = False
+  static: Callable[[Mapping[str, Any]], dict] = lambda options: {}
+
+
+@dataclasses.dataclass(frozen=True)
+class Factored:
+  r"""Second moments kept factored: for a leaf with two large axes, the row and column means
+  of :math:`g^2` instead of one value per element (Adafactor, Shazeer and Stern 2018).
+
+  A factored leaf's first pass is :attr:`precondition`, in jnp: XLA's row and column
+  reductions, which no elementwise kernel can express; its norms and the reduction's
+  second pass follow as for the other leaves (on the reference, where XLA fuses the
+  preconditioned gradient into them). Leaves that are not factored run the spec's rule,
+  whose ``full`` field holds their statistics, through the kernels.
+
+  Attributes:
+    dims: ``dims(options, shape) -> (d1, d0) | None``: the two axes to factor over (the
+      row statistics drop ``d0``, the column ones ``d1``), or None for an unfactored leaf.
+    precondition: ``precondition(h, g, *, row, col, dims) -> (r, new row, new col)``: the
+      preconditioned gradient and the new statistics, in optax's order of operations.
+    row, col, full: the state fields holding the row statistics, the column statistics
+      and the unfactored leaves' per-element statistics (``full`` is one of the spec's
+      fields); each holds ``zeros((1,))`` on the leaves that do not use it, as optax's.
+  """
+
+  dims: Callable[[Mapping[str, Any], tuple[int, ...]], tuple[int, int] | None]
+  precondition: Callable
+  row: str = "v_row"
+  col: str = "v_col"
+  full: str = "v"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,6 +163,8 @@ class OptimizerSpec:
       its state holds an ``rng_key``, and each step first adds Gaussian noise of standard
       deviation ``sqrt(eta / (t + 1) ** gamma)`` to the gradients, drawn as optax draws
       it (XLA's counter-based generator, one key per leaf), then runs the rule.
+    factored: second moments factored into row and column statistics (:class:`Factored`;
+      needs a ``reduction``), or ``None``.
     validate: ``validate(fn, options)``: checks beyond the kinds (a ValueError naming the
       value), or ``None``.
   """
@@ -145,6 +181,7 @@ class OptimizerSpec:
   reads_params: bool = False
   reduction: Reduction | None = None
   noise: bool = False
+  factored: Factored | None = None
   validate: Callable[[str, Mapping[str, Any]], None] | None = None
 
 

@@ -61,6 +61,8 @@ class ElementwiseOp:
     source: ``source(h, x)``, applied to each norm source before its sum of squares (a
       module-level function; ``None``: the source itself). ``x * 0`` makes the "norm" a
       finiteness check: 0 where every element is finite, NaN elsewhere.
+    means: the executor returns the mean of each norm source's squares (as
+      ``jnp.mean(|x|^2)``: the sum over the whole leaf, divided by its size), not its norm.
     unguarded: for a rule that keeps every input where ``h.finite`` is 0 (a skipped step),
       the same rule without that guard. A kernel whose outputs all take their inputs'
       buffers may run it under ``h.finite > 0`` instead: on a skipped step it neither
@@ -80,6 +82,7 @@ class ElementwiseOp:
   leaf_hyper: tuple[str, ...] = ()
   source: Callable | None = None
   unguarded: Callable | None = None
+  means: bool = False
 
   @property
   def has_norms(self) -> bool:

@@ -27,7 +27,7 @@ from optirs_jax.pallas.op import ElementwiseOp, Hyper, output_dtypes
 from optirs_jax.rounding import split16
 from optirs_jax.spec import BoundRule, OptimizerSpec, prologue_names, prologue_scalars
 from optirs_jax.transforms import _checks as c
-from optirs_jax.transforms import _noise, _quantized, _quantized_kernel
+from optirs_jax.transforms import _factored, _noise, _quantized, _quantized_kernel
 from optirs_jax.transforms import _second_pass as second_pass
 from optirs_jax.transforms._wiring import check_wiring
 
@@ -100,8 +100,11 @@ def build(spec: OptimizerSpec,
         return jax.tree.map(lambda x: jnp.asarray(value, dtype=dtype or x.dtype), params)
       return optax.tree.full_like(params, value, dtype=dtype)
 
+    values = {f.name: init(f) if f.exists(options) else None for f in spec.fields}
+    if spec.factored is not None:  # row and column statistics, or the full ones, per leaf
+      values |= _factored.init(spec, options, params)
     state = spec.state(count=jnp.zeros([], jnp.int32), **_noise.key_state(spec, options),
-                       **{f.name: init(f) if f.exists(options) else None for f in spec.fields})
+                       **values)
     if quantization is not None:
       state = _quantized.encode_fields(fn, state, spec.fields, quantization)
     return state
@@ -110,6 +113,9 @@ def build(spec: OptimizerSpec,
            param_seed=OWN, prologue=()):
     kw = dict(fused=fused, master=master, inv_scale=inv_scale, finite=finite,
               param_seed=param_seed, prologue=prologue)
+    if spec.factored is not None:
+      _factored.check_plain(fn, master=master, inv_scale=inv_scale, finite=finite,
+                            prologue=prologue)
     if spec.noise:  # optax's add_noise first, in XLA (the new key rides in the state)
       updates, state = _noise.add(fn, options, updates, state, finite, folded=bool(prologue)
                                   or inv_scale is not None or master is not None)
@@ -124,7 +130,10 @@ def build(spec: OptimizerSpec,
   def float_step(updates, state, params, *, fused, master, inv_scale, finite, param_seed,
                  prologue, quantized=None):
     g, paths, treedef = c.flatten(fn, "updates", updates)
-    columns = [c.match(fn, f"state.{f.name}", getattr(state, f.name), treedef, g, paths)
+    dims, fac = ([None] * len(g), {}) if spec.factored is None else _factored.columns(
+        fn, spec, options, state, g, paths, treedef)  # factored leaves: dims[i] is not None
+    columns = [fac[f.name] if f.name in fac else
+               c.match(fn, f"state.{f.name}", getattr(state, f.name), treedef, g, paths)
                for f in fields]
     late_columns = [c.match(fn, f"state.{f.name}", getattr(state, f.name), treedef, g, paths)
                     for f in late]
@@ -171,7 +180,8 @@ def build(spec: OptimizerSpec,
     in_kernel, kernel_platforms = _kernel_quantized(quantized, len(g), g, master=m)
     variants = sorted(set(zip(decays, uses_master)), reverse=True)
     for decay, in_master in variants:  # one op per static variant of the rule
-      idx = [i for i in range(len(g)) if (decays[i], uses_master[i]) == (decay, in_master)]
+      idx = [i for i in range(len(g)) if (decays[i], uses_master[i]) == (decay, in_master)
+             and dims[i] is None]
       mode = _Mode(fused=fused, master=in_master, unscale=inv_scale is not None,
                    guard=finite is not None, rounding=seed is not None,
                    param_rounding=fused and param_seed is not None,
@@ -194,6 +204,8 @@ def build(spec: OptimizerSpec,
       for j, i in enumerate(idx):
         outs[i], norms[i] = o[j], (n[j] if n is not None else None)
 
+    if spec.factored is not None:
+      fac = _factored_pass(h, g, weights, fac, dims, outs, norms, treedef)
     first = [o[0] for o in outs]
     new_master = None
     if m is not None:
@@ -210,6 +222,8 @@ def build(spec: OptimizerSpec,
                        for f, col in zip(leafwise, leaf_out)}
       first, new_master, late_out = second_pass.finish(
           spec, h, first, weights, p, m, norms, uses_master, late, late_columns, masked,
+          static=tuple(sorted(spec.reduction.static(options).items())),
+          on_reference=[d is not None for d in dims],
           fused=fused, guard=finite is not None, rounding=seed is not None,
           param_rounding=param_seed is not None, cast_lr=cast_lr, backend=backend,
           options=executor_options)
@@ -219,11 +233,23 @@ def build(spec: OptimizerSpec,
     if finite is not None:
       new_count = jnp.where(finite, new_count, count)
     new_state = spec.state(count=new_count, **_noise.carried(spec, state),
-                           **{f.name: new_fields.get(f.name) for f in spec.fields})
+                           **{f.name: new_fields.get(f.name) for f in spec.fields}, **fac)
     result = (jax.tree.unflatten(treedef, first), new_state)
     if m is not None:
       result += (jax.tree.unflatten(treedef, new_master),)
     return result
+
+  def _factored_pass(h, g, weights, fac, dims, outs, norms, treedef) -> dict:
+    """The factored leaves' first pass in XLA (``outs`` and ``norms`` filled in place); the
+    new row and column statistics of every leaf."""
+    f = spec.factored
+    new = {f.row: list(fac[f.row]), f.col: list(fac[f.col])}
+    for i in [i for i, d in enumerate(dims) if d is not None]:
+      r, new[f.row][i], new[f.col][i], placeholder, norms[i] = _factored.first_pass(
+          spec, h, g[i], weights[i], fac[f.row][i], fac[f.col][i], dims[i],
+          full_dtype=fac[f.full][i].dtype)
+      outs[i] = (r, placeholder)  # the rule's one field is the full statistics
+    return {k: jax.tree.unflatten(treedef, v) for k, v in new.items()}
 
   def _kernel_quantized(quantized, n, g, *, master):
     """Per leaf, its quantized rule fields where the kernel decodes and encodes them (else
@@ -288,7 +314,8 @@ def build(spec: OptimizerSpec,
   update_fn.fused_apply = fused_apply
   update_fn.guarded_update = guarded_update
   update_fn.optirs_name = spec.name
-  update_fn.folds_links = not spec.noise  # (optirs_jax.fusion; noise comes before the kernel)
+  # (optirs_jax.fusion; noise comes before the kernel, factored statistics are XLA's)
+  update_fn.folds_links = not (spec.noise or spec.factored)
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
@@ -340,5 +367,5 @@ def _op(spec: OptimizerSpec, options, names, mode: _Mode, *, decay: bool):
       norm_inputs=tuple(inputs.index(x) for x in reduction.inputs) if reduction else (),
       norm_outputs=tuple(outputs.index(x) for x in reduction.outputs) if reduction else (),
       name=spec.name, indexed=rule.indexed, mixed_on_kernels=rule.widens_mixed,
-      unguarded=rule.unguarded())
+      unguarded=rule.unguarded(), means=bool(reduction and reduction.means))
   return op, with_p, with_low

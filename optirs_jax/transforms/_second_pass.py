@@ -32,14 +32,16 @@ class _WithNorms:
 
 
 def finish_op(spec: OptimizerSpec, n_norms: int, late: tuple, *, fused: bool, master: bool,
-               guard: bool, rounding: bool, param_rounding: bool, cast_lr: bool,
-               masked: bool | None = None) -> ElementwiseOp:
+              guard: bool, rounding: bool, param_rounding: bool, cast_lr: bool,
+              masked: bool | None = None, static: tuple = ()) -> ElementwiseOp:
   """The reduction's second pass as an elementwise op over ``(r, *late fields, p[,
   p_low])``: the update, or on the fused apply the new params in place (and the new master),
   and the late fields in place, with the guard and the rounding (of the late fields and of
-  the new params); the norms are per-leaf scalars."""
+  the new params); the norms are per-leaf scalars. ``static``: the reduction's own static
+  keywords, as ``(name, value)`` pairs."""
   names = tuple(f.name for f in late)
-  static = (("cast_lr", cast_lr),) + ((("masked", masked),) if masked is not None else ())
+  static = (("cast_lr", cast_lr),) + ((("masked", masked),) if masked is not None else ()) + (
+      tuple(static))
   rule = BoundRule(_WithNorms(spec.reduction.finish, n_norms, bool(names)), names, True,
                    static, apply=fused and not master, master=master,
                    guard=guard, rounding=rounding and bool(names),
@@ -79,12 +81,16 @@ def between(between, h, norms, leafwise, leaf_columns, *, guard: bool):
 
 
 def finish(spec: OptimizerSpec, h, first, weights, p, m, norms, uses_master, late,
-            late_columns, masked, *, fused: bool, guard: bool, rounding: bool,
-            param_rounding: bool, cast_lr: bool, backend: str, options: ExecutorOptions):
+           late_columns, masked, *, fused: bool, guard: bool, rounding: bool,
+           param_rounding: bool, cast_lr: bool, backend: str, options: ExecutorOptions,
+           static: tuple = (), on_reference=None):
   """The reduction's second pass, one elementwise op per variant (with or without a master
   copy; masked or not) through the executors: on the GPU one grouped launch reads each
   leaf's norms from its hyper-parameter vector; on the reference XLA fuses it per leaf.
-  Returns the updates (or new params), the new masters and the ``late`` fields' columns."""
+  ``on_reference[i]``: leaf ``i`` runs on the reference whatever ``backend`` says (a
+  factored leaf, whose first output XLA then fuses in). Returns the updates (or new params),
+  the new masters and the ``late`` fields' columns."""
+  on_reference = on_reference or [False] * len(first)
   outs: list[Any] = [None] * len(first)
   masters = list(m) if m is not None else None
   late_out = [[None] * len(first) for _ in late_columns]
@@ -93,14 +99,15 @@ def finish(spec: OptimizerSpec, h, first, weights, p, m, norms, uses_master, lat
   # them): leaves whose norms vary alike share one array of norms, so a replicated leaf's
   # update stays replicated.
   kinds = [frozenset().union(*(varying_axes(x) for x in norms[i])) for i in range(len(first))]
-  variants = sorted(set(zip(uses_master, kinds, masked)),
-                    key=lambda v: (v[0], sorted(v[1]), v[2]))
-  for in_master, kind, mask in variants:
+  variants = sorted(set(zip(uses_master, kinds, masked, on_reference)),
+                    key=lambda v: (v[0], sorted(v[1]), v[2], v[3]))
+  for in_master, kind, mask, ref in variants:
     idx = [i for i in range(len(first))
-           if (uses_master[i], kinds[i], masked[i]) == (in_master, kind, mask)]
+           if (uses_master[i], kinds[i], masked[i], on_reference[i]) == (in_master, kind, mask,
+                                                                         ref)]
     op = finish_op(spec, n_norms, late, fused=fused, master=in_master, guard=guard,
-                    rounding=rounding, param_rounding=fused and param_rounding, cast_lr=cast_lr,
-                    masked=mask if spec.reduction.mask is not None else None)
+                   rounding=rounding, param_rounding=fused and param_rounding, cast_lr=cast_lr,
+                   masked=mask if spec.reduction.mask is not None else None, static=static)
     leaves = [(first[i], *(col[i] for col in late_columns), weights[i])
               + ((p[i],) if in_master else ()) for i in idx]
     # One row of norms per leaf, in the widest of their dtypes (float64 norms of float64
@@ -108,7 +115,8 @@ def finish(spec: OptimizerSpec, h, first, weights, p, m, norms, uses_master, lat
     with jax.numpy_dtype_promotion("standard"):
       dtype = jnp.result_type(*(x for i in idx for x in norms[i]))
     values = [tuple(norms[i][k].astype(dtype) for k in range(n_norms)) for i in idx]
-    o, _ = execute(op, h, leaves, backend=backend, options=options, fused_apply=fused,
+    o, _ = execute(op, h, leaves, backend="jnp" if ref else backend, options=options,
+                   fused_apply=fused,
                    leaf_values=values)
     for j, i in enumerate(idx):
       outs[i] = o[j][0]

@@ -45,6 +45,11 @@ def check_wiring(fn: str, spec: OptimizerSpec, options: Mapping[str, Any],
                  names: tuple[str, ...]) -> None:
   """Raises a ValueError naming the first mismatch between ``spec``'s rule, its ``hyper``,
   its ``scalars`` and its fields, for the optimizer made with ``options``."""
+  fac = spec.factored
+  if fac is not None and (spec.reduction is None or names != (fac.full,)):
+    raise ValueError(f"{fn}: spec {spec.name!r} keeps factored statistics: it needs a "
+                     f"reduction, and its rule's only field must be {fac.full!r} (fields: "
+                     f"{list(names)})")
   static = dict(spec.static(options))
   if spec.weight_decay:
     static["decay"] = True  # the variant that reads the most: h.wd and p
