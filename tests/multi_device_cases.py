@@ -1,6 +1,7 @@
 """Multi-device cases, run on 8 CPU devices by tests/test_multi_device.py (in a process of
 their own: the device count is fixed when jax starts)."""
 
+import math
 import re
 
 import chex
@@ -48,12 +49,12 @@ def place(t, mesh, specs):
   return jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), t, specs)
 
 
-def state_specs(state, specs):
+def state_specs(state, specs, shapes=SHAPES):
   """The state's specs: each params-shaped field like the params, the rest (the count, one
-  scalar per leaf) replicated."""
+  scalar per leaf, Adafactor's row and column statistics) replicated."""
   return jax.tree.map(lambda x: P(), state) if specs is None else type(state)(**{
-      f: ({k: specs[k] if x.ndim else P() for k, x in v.items()} if isinstance(v, dict)
-          else None if v is None else P())
+      f: ({k: specs[k] if x.shape == shapes[k] else P() for k, x in v.items()}
+          if isinstance(v, dict) else None if v is None else P())
       for f, v in state._asdict().items()})
 
 
@@ -101,16 +102,22 @@ def test_sharded_step_equals_unsharded_and_keeps_shardings(name, backend, shape,
       # Nothing is gathered; only LAMB's per-leaf norms cross devices (scalars).
       assert "all-gather" not in hlo
       reduced = re.findall(r"= (\([^)]*\)|\S+) all-reduce\(", hlo)
-      if REGISTRY[name].norms and layout != "dp":  # scalars: per leaf, the sums of squares
-        types = [x.strip() for t in reduced
-                 for x in re.sub(r"/\*.*?\*/", "", t).strip("()").split(",")]
+      types = [x.strip() for t in reduced
+               for x in re.sub(r"/\*.*?\*/", "", t).strip("()").split(",")]
+      if REGISTRY[name].spec.factored and layout != "dp":
+        # Adafactor's column means of a leaf whose rows are sharded: vectors of statistics
+        # (at most 40 elements here), never a leaf (320 and more).
+        sizes = [math.prod(int(n) for n in dims.split(",") if n)
+                 for t in reduced for dims in re.findall(r"\w+\[([\d,]*)\]", t)]
+        assert sizes and max(sizes) <= 40, reduced
+      elif REGISTRY[name].norms and layout != "dp":  # scalars: per leaf, the sums of squares
         assert types and set(types) == {"f32[]"}, reduced
       else:
         assert not reduced, reduced
 
 
 @pytest.mark.parametrize("backend", ["auto", "jnp", "pallas"])
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", [n for n in NAMES if not REGISTRY[n].spec.factored])
 def test_inside_shard_map_every_backend_runs_on_the_local_shards(name, backend):
   """FSDP inside a user's shard_map: the same numbers as the unsharded step; LAMB told the
   axis computes whole-leaf norms, and per local array without it."""
@@ -598,3 +605,39 @@ def test_muon_names_unknown_spread_axes():
   tx = optirs_jax.muon(0.02, ns_axes="model")
   with jax.set_mesh(mesh), pytest.raises(ValueError, match="ns_axes='model' names"):
     tx.update(params, tx.init(params), params)
+
+
+@pytest.mark.parametrize("backend", ["auto", "jnp", "pallas"])
+@pytest.mark.parametrize("name", [n for n in NAMES if REGISTRY[n].spec.factored])
+def test_factored_inside_shard_map_is_optax_on_the_local_shards(name, backend):
+  """Adafactor inside a user's shard_map: the factored leaves whole on every device (their
+  column means are over all rows: a device holding some rows would keep statistics of its
+  own, which a replicated state cannot hold, in optax alike), the others sharded, with
+  their block RMS of the local shard: optax's adafactor in the same shard_map."""
+  mesh = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Explicit,))
+  specs = {"w": P(), "m": P(), "v": P("d"), "s": P()}
+  params, grads = tree(0), jax.tree.map(lambda x: 0.5 * x + 0.1, tree(1))
+  tx, ref = opt(name, backend), getattr(optax, name)(1e-2, **KW[name])
+
+  def contract(p, s, g):
+    u, s = ref.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  sspec = state_specs(tx.init(params), specs)
+  step = jax.jit(jax.shard_map(lambda p, s, g: optirs_jax.apply(tx, g, s, p), mesh=mesh,
+                               in_specs=(specs, sspec, specs), out_specs=(specs, sspec)))
+  rspec = tuple(state_specs(part, specs) for part in ref.init(params))  # (optax's chain)
+  rstep = jax.jit(jax.shard_map(contract, mesh=mesh, in_specs=(specs, rspec, specs),
+                                out_specs=(specs, rspec)))
+  with jax.set_mesh(mesh):
+    p, g = place(params, mesh, specs), place(grads, mesh, specs)
+    got = step(p, place(tx.init(params), mesh, sspec), g)
+    with jax.numpy_dtype_promotion("standard"):
+      want = rstep(p, place(ref.init(params), mesh, rspec), g)
+  chex.assert_trees_all_close(got[0], want[0], rtol=1e-6, atol=1e-7)
+  for field, theirs in (("v_row", "v_row"), ("v_col", "v_col"), ("v", "v")):
+    chex.assert_trees_all_close(getattr(got[1], field), getattr(want[1][0], theirs),
+                                rtol=1e-6, atol=0)
+  # The sharded leaf's block RMS is its local shard's: not the unsharded step's.
+  whole = jax.jit(lambda p, s, g: optirs_jax.apply(tx, g, s, p))(params, tx.init(params), grads)
+  assert not np.allclose(np.asarray(got[0]["v"]), np.asarray(whole[0]["v"]), rtol=1e-6)

@@ -121,9 +121,11 @@ def test_update_path_leaves_large_leaves_to_xla_unless_norms_are_needed(name):
     return optax.apply_updates(p, u), s
 
   fused = lambda p, s, g: optirs_jax.apply(opt, g, s, p)
-  assert cuda_triton_calls(fused, params, state, params) == 2
+  # (Adafactor factors "big": its row and column means are XLA's, and so is its step.)
+  kernels = 1 if optirs_jax.transforms.REGISTRY[name].spec.factored else 2
+  assert cuda_triton_calls(fused, params, state, params) == kernels
   norms = optirs_jax.transforms.REGISTRY[name].norms
-  assert cuda_triton_calls(contract, params, state, params) == (2 if norms else 0)
+  assert cuda_triton_calls(contract, params, state, params) == (kernels if norms else 0)
 
 
 def test_update_path_routing_can_be_turned_off():

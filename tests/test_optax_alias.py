@@ -66,8 +66,8 @@ def test_optimization(name, kw, target, dtype, standard_promotion):
   for _ in range(10_000):
     params, state = step(params, state)
   assert step._cache_size() == 1  # no recompilation on the second call
-  if name == "adadelta" and kw.get("learning_rate") is None:
-    pytest.skip("adadelta needs a learning rate to converge (optax's test checks only that it "
+  if name in ("adadelta", "adafactor") and kw.get("learning_rate") is None:
+    pytest.skip(f"{name} needs a learning rate to converge (optax's test checks only that it "
                 "runs without recompiling, as here)")
   chex.assert_trees_all_close(params, final, rtol=3e-2, atol=3e-2)
 
@@ -94,7 +94,9 @@ def test_optimizers_accept_extra_args(name, kw):
 def test_optimizers_can_be_wrapped_in_inject_hyperparams(name, kw, standard_promotion):
   factory = getattr(optirs_jax, name)
   opt = factory(**kw)
-  injected = optax.inject_hyperparams(factory)(**kw)
+  # Adafactor's factoring decides its state's shapes: static, as optax's test passes it.
+  static = ("min_dim_size_to_factor",) if name == "adafactor" else ()
+  injected = optax.inject_hyperparams(factory, static_args=static)(**kw)
   params = [jnp.negative(jnp.ones((2, 3))), jnp.ones((2, 5, 2))]
   grads = [jnp.ones((2, 3)), jnp.negative(jnp.ones((2, 5, 2)))]
   updates, new_state = jax.jit(opt.update)(grads, jax.jit(opt.init)(params), params)

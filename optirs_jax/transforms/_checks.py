@@ -55,6 +55,10 @@ def canonical_dtype(fn: str, name: str, dtype: Any):
   """``None`` or a floating/complex numpy dtype, checked (optax's ``canonicalize_dtype``)."""
   if dtype is None:
     return None
+  if isinstance(dtype, (jax.Array, np.ndarray)):
+    # optax.inject_hyperparams takes a dtype class (jnp.float32: callable) for a schedule
+    # and passes its value at the count: an array of that dtype.
+    dtype = dtype.dtype
   try:
     dt = jnp.dtype(dtype)
   except TypeError:
