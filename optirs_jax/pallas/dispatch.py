@@ -66,14 +66,8 @@ def norm_dtype(x: jax.Array):
   return jnp.float64 if jnp.finfo(x.dtype).bits > 32 else jnp.float32
 
 
-def _sum_sq(x: jax.Array) -> jax.Array:
-  return jnp.sum(jnp.real(x * jnp.conj(x)) if jnp.iscomplexobj(x) else x * x)
-
-
-def _shards(x: jax.Array, axes: Sequence[str]):
-  """How many shards of ``x``'s leaf there are over those of ``axes`` it varies over."""
-  over = tuple(a for a in axes if a in sharding.varying_axes(x))
-  return jax.lax.psum(1, over) if over else 1
+def _sum_sq(x: jax.Array, reduce=jnp.sum) -> jax.Array:
+  return reduce(jnp.real(x * jnp.conj(x)) if jnp.iscomplexobj(x) else x * x)
 
 
 def _psum_varying(x: jax.Array, value: jax.Array, axes: Sequence[str]) -> jax.Array:
@@ -142,11 +136,9 @@ def reference(op: ElementwiseOp, h: Mapping, leaves: Sequence[Leaf],
       xs = [op.source(hi, x) for x in xs]
     if op.means and norm_axes:  # the whole leaf's sum over its whole size
       values = [_psum_varying(leaf[0], _sum_sq(x), norm_axes)
-                / _psum_varying(leaf[0], jnp.asarray(x.size, _sum_sq(x).dtype), norm_axes)
-                for x in xs]
+                / _psum_varying(leaf[0], jnp.float32(x.size), norm_axes) for x in xs]
     elif op.means:  # one jnp.mean, as optax computes it (XLA may fuse the division in)
-      values = [jnp.mean(jnp.real(x * jnp.conj(x)) if jnp.iscomplexobj(x) else x * x)
-                for x in xs]
+      values = [_sum_sq(x, jnp.mean) for x in xs]
     elif norm_axes:
       values = [jnp.sqrt(_psum_varying(leaf[0], _sum_sq(x), norm_axes)) for x in xs]
     else:
@@ -292,8 +284,8 @@ def _kernels(op: ElementwiseOp, h: Mapping, leaves: Sequence[Leaf], platform: st
         # Each norm is rounded to its array's dtype, as jnp.linalg.norm of it would be.
         dtypes = ([leaves[i][k].dtype for k in op.norm_inputs]
                   + [out_dtypes[j][k] for k in op.norm_outputs])
-        size = leaves[i][0].size * _shards(leaves[i][0], norm_axes)
-        root = (lambda s, n=size: s / jnp.asarray(n, s.dtype)) if op.means else jnp.sqrt
+        size = _psum_varying(leaves[i][0], jnp.float32(leaves[i][0].size), norm_axes)
+        root = (lambda s, n=size: s / n.astype(s.dtype)) if op.means else jnp.sqrt
         norms[i] = tuple(root(s).astype(dt).astype(norm_dtype(leaves[i][0]))
                          for s, dt in zip(k_sums[j], dtypes))
   return outs, (norms if op.has_norms else None)
