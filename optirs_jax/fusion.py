@@ -247,6 +247,28 @@ def why_not_fused(tx: optax.GradientTransformation) -> str | None:
   return None if step is not None else what
 
 
+def _innermost(update_fn):
+  """The transformation at the end of ``update_fn``'s chains (itself if not a chain)."""
+  update_fn = _unwrap(update_fn)
+  if _is(update_fn, "optax", "chain.<locals>.update_fn", "update_fns"):
+    fns = list(_closure(update_fn)["update_fns"])
+    return _innermost(fns[-1]) if fns else None
+  if _is(update_fn, "optax", "named_chain.<locals>.update_fn", "transforms"):
+    transforms = _closure(update_fn)["transforms"]
+    return _innermost(transforms[-1][1].update) if transforms else None
+  return update_fn
+
+
+def why_not_wrapped(tx: optax.GradientTransformation, what: str) -> str | None:
+  """Why a wrapper cannot fold ``what`` (loss scaling, master weights) into ``tx``'s fused
+  step -- its optimizer draws noise before its kernel, keeps factored statistics in XLA,
+  or is 8-bit Adam -- or None."""
+  fn = _innermost(tx.update)
+  if fn is not None and getattr(fn, "folds_wrappers", True) is False:
+    return f"{getattr(fn, 'optirs_name', _describe(fn))} does not fold {what} into its kernel"
+  return None
+
+
 def explain(tx: optax.GradientTransformation) -> str:
   """Which path :func:`optirs_jax.apply` takes for ``tx``, and why.
 

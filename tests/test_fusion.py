@@ -167,6 +167,12 @@ def test_nested_chains_and_inject_inside_a_chain():
      "does not fold links"),
     (lambda: optax.chain(optax.clip_by_global_norm(1.0), optirs_jax.adafactor(
         1e-2, min_dim_size_to_factor=4)), "does not fold links"),
+    (lambda: mp.with_loss_scaling(optirs_jax.noisy_sgd(1e-2, key=0)),
+     "with_loss_scaling(noisy_sgd): noisy_sgd does not fold loss scaling into its kernel"),
+    (lambda: mp.with_loss_scaling(optirs_jax.adafactor(1e-2, min_dim_size_to_factor=4)),
+     "adafactor does not fold loss scaling into its kernel"),
+    (lambda: mp.master_weights(optax.chain(optax.clip(1.0), optirs_jax.adamw8bit(1e-2))),
+     "master_weights(chain(clip, adamw8bit)): adamw8bit does not fold master weights"),
     (lambda: optax.inject_hyperparams(optax.adam)(learning_rate=1e-2),
      "not an optirs_jax optimizer"),
     (lambda: optax.MultiSteps(optirs_jax.adam(1e-2), 2), "is not a transformation"),

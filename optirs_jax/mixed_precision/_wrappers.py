@@ -190,7 +190,9 @@ def with_loss_scaling(inner: optax.GradientTransformation,
 
   update_fn.fused_apply = fused_apply
   update_fn.optirs_name = f"with_loss_scaling({fusion.name_of(inner)})"
-  update_fn.inner_not_fused = fusion.why_not_fused(inner)  # None where the inner is fused
+  # None where the inner is fused and takes the loss scale into its kernel.
+  update_fn.inner_not_fused = (fusion.why_not_fused(inner)
+                               or fusion.why_not_wrapped(inner, "loss scaling"))
   update_fn.folds_links = False  # outermost: the gradients it unscales are the loss's
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -352,6 +354,8 @@ def master_weights(inner: optax.GradientTransformation, *, stochastic_rounding: 
   update_fn.fused_apply = fused_apply
   update_fn.guarded_update = guarded_update
   update_fn.optirs_name = f"master_weights({fusion.name_of(inner)})"
-  update_fn.inner_not_fused = fusion.why_not_fused(inner)  # None where the inner is fused
+  # None where the inner is fused and takes the master copies into its kernel.
+  update_fn.inner_not_fused = (fusion.why_not_fused(inner)
+                               or fusion.why_not_wrapped(inner, "master weights"))
   update_fn.folds_links = False  # put the links inside: master_weights(chain(...))
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -320,6 +320,7 @@ def _make(fn: str, learning_rate_, b1, b2, eps, weight_decay, block_size, min_8b
 
   update_fn.fused_apply = fused_apply
   update_fn.optirs_name = fn
+  update_fn.folds_wrappers = False  # (loss scaling, master weights: fusion.why_not_wrapped)
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 

@@ -315,7 +315,7 @@ def build(spec: OptimizerSpec,
   update_fn.guarded_update = guarded_update
   update_fn.optirs_name = spec.name
   # (optirs_jax.fusion; noise comes before the kernel, factored statistics are XLA's)
-  update_fn.folds_links = not (spec.noise or spec.factored)
+  update_fn.folds_links = update_fn.folds_wrappers = not (spec.noise or spec.factored)
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
