@@ -215,7 +215,7 @@ def adafactor(learning_rate: optax.ScalarOrSchedule | None = None,
     >>> p = {"w": jnp.ones((256, 128)), "b": jnp.array([3.0, 4.0])}
     >>> updates, state = tx.update(p, tx.init(p), p)
     >>> state.v_row["w"].shape, state.v_col["w"].shape, state.v["w"].shape, state.v["b"].shape
-    ((256,), (128,), (1,), (2,))
+    ((128,), (256,), (1,), (2,))
     >>> updates["b"]  # -lr * rms(p) * g / |g| at the first step (the decay is 0)
     Array([-0.35355338, -0.35355338], dtype=float32)
 
