@@ -284,8 +284,10 @@ def _kernels(op: ElementwiseOp, h: Mapping, leaves: Sequence[Leaf], platform: st
         # Each norm is rounded to its array's dtype, as jnp.linalg.norm of it would be.
         dtypes = ([leaves[i][k].dtype for k in op.norm_inputs]
                   + [out_dtypes[j][k] for k in op.norm_outputs])
-        size = _psum_varying(leaves[i][0], jnp.float32(leaves[i][0].size), norm_axes)
-        root = (lambda s, n=size: s / n.astype(s.dtype)) if op.means else jnp.sqrt
+        root = jnp.sqrt
+        if op.means:  # the sums over the whole leaf's size (all its shards)
+          size = _psum_varying(leaves[i][0], jnp.float32(leaves[i][0].size), norm_axes)
+          root = lambda s, n=size: s / n.astype(s.dtype)
         norms[i] = tuple(root(s).astype(dt).astype(norm_dtype(leaves[i][0]))
                          for s, dt in zip(k_sums[j], dtypes))
   return outs, (norms if op.has_norms else None)

@@ -100,9 +100,10 @@ def build(spec: OptimizerSpec,
         return jax.tree.map(lambda x: jnp.asarray(value, dtype=dtype or x.dtype), params)
       return optax.tree.full_like(params, value, dtype=dtype)
 
-    values = {f.name: init(f) if f.exists(options) else None for f in spec.fields}
-    if spec.factored is not None:  # row and column statistics, or the full ones, per leaf
-      values |= _factored.init(spec, options, params)
+    # Row and column statistics, or the full ones, per leaf (the full field made once).
+    values = {} if spec.factored is None else _factored.init(spec, options, params)
+    values |= {f.name: init(f) if f.exists(options) else None for f in spec.fields
+               if f.name not in values}
     state = spec.state(count=jnp.zeros([], jnp.int32), **_noise.key_state(spec, options),
                        **values)
     if quantization is not None:
@@ -204,8 +205,9 @@ def build(spec: OptimizerSpec,
       for j, i in enumerate(idx):
         outs[i], norms[i] = o[j], (n[j] if n is not None else None)
 
+    new_factored = {}  # the new row and column statistics
     if spec.factored is not None:
-      fac = _factored_pass(h, g, weights, fac, dims, outs, norms, treedef)
+      new_factored = _factored_pass(h, g, weights, fac, dims, outs, norms, treedef)
     first = [o[0] for o in outs]
     new_master = None
     if m is not None:
@@ -233,7 +235,8 @@ def build(spec: OptimizerSpec,
     if finite is not None:
       new_count = jnp.where(finite, new_count, count)
     new_state = spec.state(count=new_count, **_noise.carried(spec, state),
-                           **{f.name: new_fields.get(f.name) for f in spec.fields}, **fac)
+                           **{f.name: new_fields.get(f.name) for f in spec.fields},
+                           **new_factored)
     result = (jax.tree.unflatten(treedef, first), new_state)
     if m is not None:
       result += (jax.tree.unflatten(treedef, new_master),)

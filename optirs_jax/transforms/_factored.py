@@ -38,8 +38,10 @@ def init(spec: OptimizerSpec, options, params) -> dict:
     d1, d0 = dims
     return _without(x, d0), _without(x, d1), one(x)
 
-  trees = [jax.tree.map(lambda x, k=k: leaf(x)[k], params) for k in range(3)]
-  return dict(zip((fac.row, fac.col, fac.full), trees))
+  leaves, treedef = jax.tree.flatten(params)
+  per_leaf = [leaf(x) for x in leaves]
+  return {name: jax.tree.unflatten(treedef, [t[k] for t in per_leaf])
+          for k, name in enumerate((fac.row, fac.col, fac.full))}
 
 
 def columns(fn: str, spec: OptimizerSpec, options, state, g, paths, treedef):
