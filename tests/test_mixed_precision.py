@@ -28,7 +28,7 @@ def fused(tx):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("name", ["adam", "lamb", "sgd"])
+@pytest.mark.parametrize("name", ["adam", "lamb", "sgd", "novograd"])
 def test_finite_steps_equal_the_plain_optimizer_on_unscaled_gradients(name, backend):
   kw = {"momentum": 0.9} if name == "sgd" else {}
   inner = getattr(optirs_jax, name)(1e-2, **kw, backend=backend)
@@ -158,7 +158,7 @@ def test_master_weights_params_are_exactly_the_rounded_master(dtype, standard_pr
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("name", ["adamw", "lamb", "adamw-master"])
+@pytest.mark.parametrize("name", ["adamw", "lamb", "adamw-master", "fromage", "lars-master"])
 def test_the_guard_inside_the_step_keeps_or_takes_it(name, backend, standard_promotion):
   # The fused step's own guard (what with_loss_scaling uses where kernels can run): with
   # finite=False params and state come back bit for bit, the count too; with finite=True
@@ -193,7 +193,7 @@ def test_a_cpu_step_skips_with_a_conditional(standard_promotion):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("name", ["adamw", "lamb"])
+@pytest.mark.parametrize("name", ["adamw", "lamb", "lars"])
 def test_master_weights_fused_equals_update_path(name, backend, standard_promotion):
   """One kernel pass reads the bfloat16 gradient and the float32 master and writes the
   master, the state and the bfloat16 params: the update path's numbers."""

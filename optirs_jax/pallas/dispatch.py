@@ -84,10 +84,9 @@ def _leaf_hyper(op: ElementwiseOp, h: Mapping, values, i: int) -> Hyper:
 
 
 def _as_array(values) -> jax.Array | None:
-  """Per-leaf values as one ``[leaves, scalars per leaf]`` array (for the kernels: they
-  read them from the launch's hyper-parameter vector). The reference takes the rows as
-  they come: stacking them would join every leaf's norms in one XLA computation, which
-  XLA:CPU compiled 2-3x slower on GPT-2's LAMB."""
+  """Per-leaf values as one ``[leaves, scalars per leaf]`` array (the kernels read them from
+  the launch's hyper-parameter vector). The reference takes the rows as they come: stacked,
+  every leaf's norms join one XLA computation (XLA:CPU compiled GPT-2's LAMB 2-3x slower)."""
   if values is None or isinstance(values, jax.Array):
     return values
   return jnp.stack([jnp.stack(row) for row in values])
@@ -125,12 +124,13 @@ def reference(op: ElementwiseOp, h: Mapping, leaves: Sequence[Leaf],
   # A leaf's own scalars are arguments whatever their type: they differ from leaf to leaf.
   traced = any(isinstance(x, jax.core.Tracer) for leaf in leaves for x in leaf)
   rule = _jitted_rule_on_leaf if traced else _rule_on_leaf
-  outs = [rule(op, constants, arrays | {n: hi[n] for n in op.leaf_hyper}, leaf)
+  full = [rule(op, constants, arrays | {n: hi[n] for n in op.leaf_hyper}, leaf)
           for hi, leaf in zip(hs, leaves)]
+  outs = [out[:len(out) - op.norm_only] for out in full]  # (not the norm-only outputs)
   if not op.has_norms:
     return outs, None
   norms = []
-  for hi, leaf, out in zip(hs, leaves, outs):
+  for hi, leaf, out in zip(hs, leaves, full):
     xs = [leaf[i] for i in op.norm_inputs] + [out[i] for i in op.norm_outputs]
     if op.source is not None:
       xs = [op.source(hi, x) for x in xs]
@@ -270,12 +270,13 @@ def _kernels(op: ElementwiseOp, h: Mapping, leaves: Sequence[Leaf], platform: st
   if k_idx := [i for i, r in enumerate(on_ref) if not r]:
     k_leaves = [leaves[i] for i in k_idx]
     out_dtypes = output_dtypes(op, h, k_leaves)
+    stored = [d[:len(d) - op.norm_only] for d in out_dtypes]
     n_sums = len(op.norm_inputs) + len(op.norm_outputs)
     local = lambda hvec, local_leaves: _local_kernels(op, platform, options, hvec,
-                                                      local_leaves, out_dtypes)
+                                                      local_leaves, stored)
     # With per-leaf scalars, local leaf j's values follow the shared ones in its vector,
     # at NHP + j * len(op.leaf_hyper).
-    k_outs, k_sums = sharding.run_local(local, hyper_vector(h, op.hyper), k_leaves, out_dtypes,
+    k_outs, k_sums = sharding.run_local(local, hyper_vector(h, op.hyper), k_leaves, stored,
                                         n_sums, tuple(norm_axes),
                                         take_rows(leaf_values, k_idx) if op.leaf_hyper else None)
     for j, i in enumerate(k_idx):

@@ -63,6 +63,10 @@ class ElementwiseOp:
       finiteness check: 0 where every element is finite, NaN elsewhere.
     means: the executor returns the mean of each norm source's squares (as
       ``jnp.mean(|x|^2)``: the sum over the whole leaf, divided by its size), not its norm.
+    norm_only: the rule's last ``norm_only`` outputs are norm sources only (named in
+      ``norm_outputs``): the executors neither store nor return them, so a pass that only
+      measures (a reduction's first pass, whose second reruns the rule) reads its inputs
+      and writes nothing but the block sums. Kernels square them as computed (in float32).
     unguarded: for a rule that keeps every input where ``h.finite`` is 0 (a skipped step),
       the same rule without that guard. A kernel whose outputs all take their inputs'
       buffers may run it under ``h.finite > 0`` instead: on a skipped step it neither
@@ -83,6 +87,7 @@ class ElementwiseOp:
   source: Callable | None = None
   unguarded: Callable | None = None
   means: bool = False
+  norm_only: int = 0
 
   @property
   def has_norms(self) -> bool:
@@ -172,7 +177,8 @@ def leaf_rows(hvec: jax.Array, leaves: int, per_leaf: int) -> jax.Array:
 def block_math(op: ElementwiseOp, h: Hyper, blocks: Sequence[jax.Array], out_dtypes: Sequence,
                index=None):
   """What a kernel computes on one block: the outputs, and the blocks whose sums of squares
-  the op's norms need (inputs as read, outputs as stored).
+  the op's norms need (inputs as read, outputs as stored; ``out_dtypes`` names the stored
+  outputs only: an :attr:`ElementwiseOp.norm_only` output is squared as computed).
 
   Computes in float32 and rounds once on store (half-precision leaves included); ``index``
   is the block's element indices in their leaf (for an indexed op).
@@ -180,8 +186,8 @@ def block_math(op: ElementwiseOp, h: Hyper, blocks: Sequence[jax.Array], out_dty
   ins = [x.astype(jnp.float32) for x in blocks]
   results = call_rule(op, h, blocks, index, compute_dtype=jnp.float32)
   outs = [x.astype(dt) for x, dt in zip(results, out_dtypes)]
-  sources = [ins[i] for i in op.norm_inputs] + [outs[i].astype(jnp.float32)
-                                                for i in op.norm_outputs]
+  sources = [ins[i] for i in op.norm_inputs] + [
+      (outs[i] if i < len(outs) else results[i]).astype(jnp.float32) for i in op.norm_outputs]
   if op.source is not None:
     sources = [op.source(h, x) for x in sources]
   return outs, sources

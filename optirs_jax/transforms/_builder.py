@@ -85,6 +85,11 @@ def build(spec: OptimizerSpec,
   fields = tuple(f for f in fields if f not in late and f not in leafwise)
   names = tuple(f.name for f in fields)
   check_wiring(fn, spec, options, names)
+  # A reduction whose first pass keeps no state only measures there (it reads the gradient
+  # and writes the block sums, not the update: 4 bytes a parameter less), and its second
+  # pass reruns the rule on the gradient.
+  measures = (spec.reduction is not None and not names and spec.factored is None
+              and set(spec.reduction.outputs) <= {"u"})
   quantization = _quantized.check(fn, arguments)  # None: float fields
   seed = options["rounding_seed"] if options.get("stochastic_rounding") else None  # traced ok
   axes = options.get("axis_name")
@@ -187,7 +192,7 @@ def build(spec: OptimizerSpec,
                    guard=finite is not None, rounding=seed is not None,
                    param_rounding=fused and param_seed is not None,
                    cast_lr=cast_lr, prologue=kinds)
-      op, with_p, with_low = _op(spec, options, names, mode, decay=decay)
+      op, with_p, with_low = _op(spec, options, names, mode, decay=decay, measures=measures)
       quantized_idx = [i for i in idx if in_kernel[i] is not None and g[i].dtype == jnp.float32
                        and (not with_p or weights[i].dtype == jnp.float32)]
       if quantized_idx:
@@ -208,9 +213,9 @@ def build(spec: OptimizerSpec,
     new_factored = {}  # the new row and column statistics
     if spec.factored is not None:
       new_factored = _factored_pass(h, g, weights, fac, dims, outs, norms, treedef)
-    first = [o[0] for o in outs]
+    first = list(g) if measures else [o[0] for o in outs]
     new_master = None
-    if m is not None:
+    if m is not None and spec.reduction is None:
       new_master = [outs[i][-1] if uses_master[i] else m[i] for i in range(len(g))]
     new_fields = {f.name: jax.tree.unflatten(treedef, [o[k + 1] for o in outs])
                   for k, f in enumerate(fields)}
@@ -225,7 +230,10 @@ def build(spec: OptimizerSpec,
       first, new_master, late_out = second_pass.finish(
           spec, h, first, weights, p, m, norms, uses_master, late, late_columns, masked,
           static=tuple(sorted(spec.reduction.static(options).items())),
-          on_reference=[d is not None for d in dims],
+          on_reference=[d is not None for d in dims], decays=decays,
+          rerun=second_pass.Rerun(spec.rule, tuple(sorted(spec.static(options).items())),
+                                  spec.weight_decay, inv_scale is not None, kinds)
+          if measures else None,
           fused=fused, guard=finite is not None, rounding=seed is not None,
           param_rounding=param_seed is not None, cast_lr=cast_lr, backend=backend,
           options=executor_options)
@@ -336,9 +344,11 @@ class _Mode:
   prologue: tuple[str, ...] = ()
 
 
-def _op(spec: OptimizerSpec, options, names, mode: _Mode, *, decay: bool):
+def _op(spec: OptimizerSpec, options, names, mode: _Mode, *, decay: bool,
+        measures: bool = False):
   """The elementwise op of one static variant of the rule, whether it reads the params (the
-  master copy in master mode) and whether it also writes the low-precision params."""
+  master copy in master mode) and whether it also writes the low-precision params.
+  ``measures``: the update is a norm source only (neither stored nor returned)."""
   static = dict(spec.static(options), cast_lr=mode.cast_lr)
   if spec.weight_decay:
     static["decay"] = decay
@@ -370,5 +380,6 @@ def _op(spec: OptimizerSpec, options, names, mode: _Mode, *, decay: bool):
       norm_inputs=tuple(inputs.index(x) for x in reduction.inputs) if reduction else (),
       norm_outputs=tuple(outputs.index(x) for x in reduction.outputs) if reduction else (),
       name=spec.name, indexed=rule.indexed, mixed_on_kernels=rule.widens_mixed,
-      unguarded=rule.unguarded(), means=bool(reduction and reduction.means))
+      unguarded=rule.unguarded(), means=bool(reduction and reduction.means),
+      norm_only=int(measures))
   return op, with_p, with_low
