@@ -140,7 +140,8 @@ def _folded_step(x, c):
   aa = jnp.matmul(a_low, a_low, preferred_element_type=wide)
   eye = jnp.broadcast_to(jnp.eye(a.shape[-1], dtype=wide), a.shape)
   b = c[0].astype(wide) * eye + c[1].astype(wide) * a + c[2].astype(wide) * aa
-  return jnp.matmul(b.astype(x.dtype), x, preferred_element_type=wide).astype(x.dtype)
+  return b.astype(x.dtype) @ x  # (a float32 product of the iterate's size and a convert cost
+  # more than they saved: 8.21 against 7.46 ms on GPT-2, H100)
 
 
 def _aol_step(x, c):
