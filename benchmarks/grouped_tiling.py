@@ -56,7 +56,8 @@ def main():
       tiling = optirs_jax.Tiling(block_rows=rows, num_warps=warps, flat=True)
       label = f"{name} {tree:8s} block {rows * 128:6d} warps {warps} plan {spec:>14s}"
       with plan_variant(spec) as variant:
-        options = variant.options(optirs_jax.ExecutorOptions(grouped_tiling=tiling))
+        options = variant.options(optirs_jax.ExecutorOptions(grouped_tiling=tiling,
+                                                             grouped_min_block_bytes=0))
         tx, fn = jax_step("optirs-apply", opt, options)
         # The gradients are an argument, not a constant of the program (a closed-over tree
         # would be compiled into it).

@@ -140,8 +140,9 @@ def _folded_step(x, c):
   aa = jnp.matmul(a_low, a_low, preferred_element_type=wide)
   eye = jnp.broadcast_to(jnp.eye(a.shape[-1], dtype=wide), a.shape)
   b = c[0].astype(wide) * eye + c[1].astype(wide) * a + c[2].astype(wide) * aa
-  return b.astype(x.dtype) @ x  # (a float32 product of the iterate's size and a convert cost
-  # more than they saved: 8.21 against 7.46 ms on GPT-2, H100)
+  # The product in the iterate's dtype: a float32 one of the iterate's size, then a
+  # convert, cost more than the fold saved (benchmarks/NOTES.md, runs 59-60).
+  return b.astype(x.dtype) @ x
 
 
 def _aol_step(x, c):

@@ -208,7 +208,7 @@ def _local_kernels(op: ElementwiseOp, platform: str, options: ExecutorOptions, h
   n_leaf_hyper = len(op.leaf_hyper)
   rows = leaf_rows(hvec, len(leaves), n_leaf_hyper) if n_leaf_hyper else None
   if g_idx := [i for i, r in enumerate(routes) if r == "group"]:
-    tiling = options.grouped_tiling
+    tiling = options.grouped_tiling_for([*leaves[g_idx[0]], *out_dtypes[g_idx[0]]])
     n_ops = len(leaves[g_idx[0]]) + len(out_dtypes[g_idx[0]])
     calls = plan_grouped_calls([leaves[i][0].size for i in g_idx],
                                block_elems=tiling.block_elems, operands_per_leaf=n_ops,
