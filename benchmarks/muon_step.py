@@ -13,7 +13,6 @@ bound, the step's elementwise work counts against it). The peak: a square produc
 """
 
 import argparse
-import contextlib
 import datetime
 import json
 import sys
@@ -26,16 +25,13 @@ from optax import contrib
 import optirs_jax
 from optirs_jax.bench import timing
 from optirs_jax.bench.cases import gpt2_small_shapes, make_tree
-from optirs_jax.orthogonal import _newton_schulz, flops
+from optirs_jax.orthogonal import flops
 from optirs_jax.planning.tensor_cores import gemm
 
 CONFIGS = {
     "optax-muon": lambda: contrib.muon(0.02),  # optax.contrib.muon
     "muon": lambda: optirs_jax.muon(0.02),  # optirs_jax.muon, the momentum's precision
     "muon-bf16": lambda: optirs_jax.muon(0.02, ns_dtype=jnp.bfloat16),
-    # The same with optax's order of operations in each step (c0 X added after the product
-    # instead of folded into it): the fold's A/B.
-    "muon-bf16-unfolded": lambda: optirs_jax.muon(0.02, ns_dtype=jnp.bfloat16),
     "optax-adamw": lambda: optax.adamw(1e-3),
 }
 
@@ -53,20 +49,6 @@ def measure(tx, params, grads, steps):
     state = jitted(state)
   prof, state = timing.profile_steps(jitted, state, steps, top=100_000)
   return first, prof
-
-
-@contextlib.contextmanager
-def unfolded(on: bool):
-  """Traces the narrower-ns_dtype step as optax orders it (``_step``) while ``on``."""
-  saved = _newton_schulz._folded_step
-  if on:  # (jax's caches would hand back the loop body traced before)
-    _newton_schulz._folded_step = _newton_schulz._step
-    jax.clear_caches()
-  try:
-    yield
-  finally:
-    _newton_schulz._folded_step = saved
-    jax.clear_caches()
 
 
 def peak(n: int, steps: int) -> dict:
@@ -107,8 +89,7 @@ def main(argv=None):
   for name in args.configs.split(","):
     if name not in CONFIGS:
       sys.exit(f"unknown config {name!r}; valid: {list(CONFIGS)}")
-    with unfolded(name.endswith("-unfolded")):
-      first, prof = measure(CONFIGS[name](), params, grads, args.steps)
+    first, prof = measure(CONFIGS[name](), params, grads, args.steps)
     busy = prof["busy_s"]
     base = busy if name == "optax-muon" else base
     tflops = ns_flops / busy / 1e12 if busy and "muon" in name else None

@@ -129,22 +129,6 @@ def _step(x, c):
   return c[0] * x + b @ x
 
 
-def _folded_step(x, c):
-  """``_step`` with ``c0 X`` folded into the product, ``(c0 I + c1 A + c2 A A) X``: the
-  iterate is read by two products and written by one, with no elementwise pass over it
-  (for a ``ns_dtype`` below the momentum's, whose numbers differ from optax's anyway). The
-  small ``c0 I + c1 A + c2 A A`` is formed in float32 from the products' float32 sums."""
-  wide = jnp.promote_types(x.dtype, jnp.float32)
-  a = jnp.matmul(x, jnp.swapaxes(x, -1, -2).conj(), preferred_element_type=wide)
-  a_low = a.astype(x.dtype)
-  aa = jnp.matmul(a_low, a_low, preferred_element_type=wide)
-  eye = jnp.broadcast_to(jnp.eye(a.shape[-1], dtype=wide), a.shape)
-  b = c[0].astype(wide) * eye + c[1].astype(wide) * a + c[2].astype(wide) * aa
-  # The product in the iterate's dtype: a float32 one of the iterate's size, then a
-  # convert, cost more than the fold saved (benchmarks/NOTES.md, runs 59-60).
-  return b.astype(x.dtype) @ x
-
-
 def _aol_step(x, c):
   """The first step with AOL rescaling (Boissin et al., 2025): each row scaled by the
   inverse square root of its Gram row's absolute sum."""
@@ -180,9 +164,6 @@ def orthogonalize_stack(x: jax.Array, coeffs: jax.Array, ns_steps: int, *,
       ``"aol"`` or ``"schatten"`` (rescale in the first step).
     eps: added to the Frobenius or spectral norm.
     ns_dtype: the products' dtype (``None``: ``x``'s); the result comes back in ``x``'s.
-      A narrower one folds ``c0 X`` into the step's last product (``(c0 I + c1 A + c2
-      A^2) X``, the small factor formed in float32): no elementwise pass over the
-      iterate, at its own rounding.
 
   Returns:
     The orthogonalized stack, shaped and typed as ``x``.
@@ -190,9 +171,8 @@ def orthogonalize_stack(x: jax.Array, coeffs: jax.Array, ns_steps: int, *,
   if preconditioning not in PRECONDITIONINGS:
     raise ValueError(f"preconditioning={preconditioning!r} is not one of {PRECONDITIONINGS}")
   dtype = x.dtype
-  plain = _step
-  if ns_dtype is not None and jnp.dtype(ns_dtype) != jnp.dtype(dtype):
-    x, plain = x.astype(ns_dtype), _folded_step
+  if ns_dtype is not None:
+    x = x.astype(ns_dtype)
   wide = x.shape[-2] <= x.shape[-1]
   if not wide:
     x = jnp.swapaxes(x, -1, -2)
@@ -205,8 +185,8 @@ def orthogonalize_stack(x: jax.Array, coeffs: jax.Array, ns_steps: int, *,
 
   def step(i, x, row):
     if first is None:
-      return plain(x, row)
-    return jax.lax.cond(i == 0, lambda x: first(x, row), lambda x: plain(x, row), x)
+      return _step(x, row)
+    return jax.lax.cond(i == 0, lambda x: first(x, row), lambda x: _step(x, row), x)
 
   # optax's loop structure (an unrolled fori_loop, or a scan over the rows), so that XLA
   # compiles the same iteration and the numbers are optax's bit for bit.
