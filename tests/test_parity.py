@@ -94,9 +94,14 @@ def test_state_matches_optax_moments(name):
   # On a GPU the Triton kernel and optax's XLA program contract and sum in their own
   # orders (and per-leaf norms feed LARS's momentum): float32 rounding, over four steps.
   rtol = 4e-7 if jax.default_backend() == "cpu" else 1e-5
+  # A field the second pass updates from the per-leaf norms (NovoGrad's first moment,
+  # LARS's trace) inherits the last bit of a norm the kernels sum block by block, not in
+  # jnp.linalg.norm's order: where the field's terms cancel, ~2e-8 absolute after four
+  # steps (NovoGrad's, 512-element blocks on a 1000-element leaf).
+  atol = 5e-8 if entry.norms and entry.spec.reduction.fields else 0
   for a, b in pairs:  # (a random key as its data: noisy_sgd's)
     chex.assert_trees_all_close(optax.tree.unwrap_random_key_data(a),
-                                optax.tree.unwrap_random_key_data(b), rtol=rtol, atol=0)
+                                optax.tree.unwrap_random_key_data(b), rtol=rtol, atol=atol)
 
 
 @pytest.mark.parametrize("name", ["adam", "lamb"])

@@ -125,6 +125,9 @@ def test_the_largest_model_search_runs_each_attempt_in_a_process(tmp_path):
       nnx.state(model, nnx.Param)))
   assert [(a["layers"], a["fits"]) for a in r["attempts"]] == [(2, True), (3, True)]
   assert {a["memory_fraction"] for a in r["attempts"]} == {"0.5"}  # JAX's share, passed on
+  # Each phase timed (the first step holds the trace and the compile).
+  for a in r["attempts"]:
+    assert a["first_step_s"] > a["second_step_s"] > 0 and a["build_s"] > 0, a
   proc = _bench("--largest", "--ladder", "12by768")
   assert proc.returncode == 2 and "a ladder is comma-separated LAYERSxWIDTH" in proc.stderr
   proc = _bench("--largest", "--memory-fraction", "1.5")

@@ -12,6 +12,7 @@ and peak device memory, and every attempt.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 
 # (layers, width): GPT-2 small, medium, large and XL's shapes, then wider and deeper.
@@ -47,8 +48,11 @@ def largest_fitting(n: int, fits: Callable[[int], bool]) -> tuple[int, list[int]
 
 def probe(args) -> dict:
   """Builds ``args.one``'s configuration at ``args.probe`` (layers x width) and trains two
-  steps: the parameters and the device's peak memory."""
+  steps: the parameters, the device's peak memory, and the seconds of each phase (the
+  build, the first step with its trace and compile, the second). Each phase is logged to
+  stderr as it starts, so an attempt cut by its timeout names the phase it was in."""
   import os
+  import time
 
   import jax
   import jax.numpy as jnp
@@ -57,14 +61,29 @@ def probe(args) -> dict:
   from optirs_jax.bench.gpt import GPTConfig
   from optirs_jax.bench.steps import Hyper, Run
   layers, width = parse_ladder(args.probe)[0]
+  start = last = time.perf_counter()
+  seconds = {}
+
+  def phase(name: str, next_name: str | None):
+    nonlocal last
+    now = time.perf_counter()
+    seconds[name] = round(now - last, 3)
+    last = now
+    if next_name:
+      print(f"probe {args.one} {args.probe}: {next_name} from {now - start:.1f} s",
+            file=sys.stderr, flush=True)
+
+  print(f"probe {args.one} {args.probe}: build from 0.0 s", file=sys.stderr, flush=True)
   model = GPTConfig.preset(args.model).scaled(layers, width)
   context = args.context or model.context
   run = Run(args.one, model, Hyper(total=2, warmup=1))
   rng = np.random.default_rng(0)
-  for _ in range(2):
+  phase("build_s", "first step (trace, compile, run)")
+  for k, name in enumerate(("first_step_s", "second_step_s")):
     value = run.step(jnp.asarray(rng.integers(0, 256, (args.batch, context + 1)), jnp.int32))
-  jax.block_until_ready(value)
+    jax.block_until_ready(value)
+    phase(name, "second step" if k == 0 else None)
   stats = jax.devices()[0].memory_stats() or {}
   return {"config": args.one, "layers": layers, "width": width,
           "parameters": run.parameters, "peak_bytes": stats.get("peak_bytes_in_use"),
-          "memory_fraction": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")}
+          "memory_fraction": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"), **seconds}
