@@ -305,6 +305,15 @@ class BoundRule:
       return dataclasses.replace(self, guard=False)
     return None
 
+  def hyper(self, base: tuple[str, ...]) -> tuple[str, ...]:
+    """The names of the scalars a kernel of this rule reads: ``base`` (the spec's), then
+    those of its wiring (the loss scale's inverse, the links, the guard's flag, the count
+    and seeds of the rounding), in the order the executors pack them."""
+    return base + (("inv_scale",) if self.unscale else ()) + prologue_names(self.prologue) + (
+        ("finite",) if self.guard else ()) + (("count_lo", "count_hi") if self.indexed else ()) + (
+        ("seed_lo", "seed_hi") if self.rounding else ()) + (
+        ("pseed_lo", "pseed_hi") if self.param_rounding else ())
+
   @property
   def indexed(self) -> bool:
     """Whether the rule needs each element's index in its leaf (``index=``)."""

@@ -118,6 +118,12 @@ def trajectory(opt, params, steps: int):
   return params, state
 
 
+def assert_close(a, b, **tol):
+  """``chex.assert_trees_all_close`` on trees that may hold random keys (noisy_sgd's
+  state), compared by their data."""
+  chex.assert_trees_all_close(*(optax.tree.unwrap_random_key_data(t) for t in (a, b)), **tol)
+
+
 def rel_err(a, b) -> float:
   a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
   return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))

@@ -29,12 +29,6 @@ BIG = {"emb": (50257, 64), "aligned": (1024, 1024), "w": (768, 3072), "b": (768,
 POLICIES = [("pack", "in-place"), ("group", "in-place"), ("group", "group")]
 
 
-def close(a, b, **tol):
-  """``chex.assert_trees_all_close`` on trees that may hold random keys (noisy_sgd's
-  state), compared by their data."""
-  chex.assert_trees_all_close(*(optax.tree.unwrap_random_key_data(t) for t in (a, b)), **tol)
-
-
 @pytest.fixture(params=POLICIES, ids=["-".join(p) for p in POLICIES])
 def leaf_policy(request):
   return cases.leaf_policy(*request.param)
@@ -57,13 +51,13 @@ def test_triton_matches_reference_on_large_ragged_tree(name, leaf_policy):
   state_tol = (dict(rtol=1e-5, atol=1e-8) if REGISTRY[name].norms
                and REGISTRY[name].spec.reduction.fields else dict(rtol=1e-6, atol=1e-9))
   chex.assert_trees_all_close(u, ru, rtol=1e-6, atol=1e-9)
-  close(s, rs, **state_tol)
+  cases.assert_close(s, rs, **state_tol)
   # The fused apply, in place.
   p, s = jax.jit(lambda g, s, p: optirs_jax.apply(gpu, g, s, p))(grads, gpu.init(params), params)
   ru, rs = jax.jit(ref.update)(grads, ref.init(params), params)
   chex.assert_trees_all_close(p, jax.tree.map(lambda a, b: a + b, params, ru), rtol=1e-6,
                               atol=1e-7)
-  close(s, rs, **state_tol)
+  cases.assert_close(s, rs, **state_tol)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -130,10 +124,10 @@ def test_triton_inside_shard_map_and_on_a_mesh(name):
   sspec = spec(gpu.init(params))
   mapped = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(spec(params), sspec, spec(grads)),
                                  out_specs=(spec(params), sspec)))
-  close(mapped(params, gpu.init(params), grads), want, rtol=1e-6, atol=1e-9)
+  cases.assert_close(mapped(params, gpu.init(params), grads), want, rtol=1e-6, atol=1e-9)
   place = lambda t: jax.device_put(t, NamedSharding(mesh, P()))
   got = jax.jit(step)(place(params), place(gpu.init(params)), place(grads))
-  close(got, want, rtol=1e-6, atol=1e-9)
+  cases.assert_close(got, want, rtol=1e-6, atol=1e-9)
   assert "triton" in jax.jit(step).lower(place(params), place(gpu.init(params)),
                                          place(grads)).compile().as_text().lower()
 

@@ -25,7 +25,7 @@ import optax
 from optirs_jax.pallas.dispatch import check_pallas_dtypes, execute, lowering_targets
 from optirs_jax.pallas.op import ElementwiseOp, Hyper, output_dtypes
 from optirs_jax.rounding import split16
-from optirs_jax.spec import BoundRule, OptimizerSpec, prologue_names, prologue_scalars
+from optirs_jax.spec import BoundRule, OptimizerSpec, prologue_scalars
 from optirs_jax.transforms import _checks as c
 from optirs_jax.transforms import _factored, _noise, _quantized, _quantized_kernel
 from optirs_jax.transforms import _second_pass as second_pass
@@ -231,9 +231,8 @@ def build(spec: OptimizerSpec,
           spec, h, first, weights, p, m, norms, uses_master, late, late_columns, masked,
           static=tuple(sorted(spec.reduction.static(options).items())),
           on_reference=[d is not None for d in dims], decays=decays,
-          rerun=second_pass.Rerun(spec.rule, tuple(sorted(spec.static(options).items())),
-                                  spec.weight_decay, inv_scale is not None, kinds)
-          if measures else None,
+          rerun=second_pass.Rerun(tuple(sorted(spec.static(options).items())),
+                                  inv_scale is not None, kinds) if measures else None,
           fused=fused, guard=finite is not None, rounding=seed is not None,
           param_rounding=param_seed is not None, cast_lr=cast_lr, backend=backend,
           options=executor_options)
@@ -370,13 +369,8 @@ def _op(spec: OptimizerSpec, options, names, mode: _Mode, *, decay: bool,
     aliases += ((inputs.index("p"), 0),)
   reduction = spec.reduction
   pads = (0.0, *(f.pad for f in spec.fields if f.name in names)) + (0.0,) * (with_p + with_low)
-  hyper = spec.hyper + (("inv_scale",) if mode.unscale else ()) + prologue_names(
-      mode.prologue) + (
-      ("finite",) if mode.guard else ()) + (("count_lo", "count_hi") if rule.indexed else ()) + (
-      ("seed_lo", "seed_hi") if mode.rounding else ()) + (
-      ("pseed_lo", "pseed_hi") if mode.param_rounding else ())
   op = ElementwiseOp(
-      rule, hyper, pads, aliases,
+      rule, rule.hyper(spec.hyper), pads, aliases,
       norm_inputs=tuple(inputs.index(x) for x in reduction.inputs) if reduction else (),
       norm_outputs=tuple(outputs.index(x) for x in reduction.outputs) if reduction else (),
       name=spec.name, indexed=rule.indexed, mixed_on_kernels=rule.widens_mixed,

@@ -13,18 +13,17 @@ from optirs_jax.pallas.dispatch import execute
 from optirs_jax.pallas.op import ElementwiseOp
 from optirs_jax.pallas.options import ExecutorOptions
 from optirs_jax.pallas.sharding import varying_axes
-from optirs_jax.spec import BoundRule, OptimizerSpec, prologue_names
+from optirs_jax.spec import BoundRule, OptimizerSpec
 
 
 @dataclasses.dataclass(frozen=True)
 class Rerun:
-  """The first pass's rule, rerun by the second on the gradient (where the first only
-  measured): its static keywords (with ``decay``, per leaf, where ``weight_decay``), and
-  what the first pass did to the gradient before it (the unscale, the optax links)."""
+  """How the second pass reruns the spec's rule on the gradient (where the first only
+  measured): the rule's static keywords (``decay`` is added per leaf where the spec has
+  weight decay), and what the first pass did to the gradient before it (the unscale, the
+  optax links)."""
 
-  rule: Any
   static: tuple
-  weight_decay: bool
   unscale: bool
   prologue: tuple
 
@@ -66,8 +65,8 @@ def finish_op(spec: OptimizerSpec, n_norms: int, late: tuple, *, fused: bool, ma
   with_norms = _WithNorms(spec.reduction.finish, n_norms, bool(names))
   links = dict(unscale=False, prologue=())
   if rerun is not None:
-    rule_static = rerun.static + ((("decay", decay),) if rerun.weight_decay else ())
-    with_norms = dataclasses.replace(with_norms, rule=rerun.rule,
+    rule_static = rerun.static + ((("decay", decay),) if spec.weight_decay else ())
+    with_norms = dataclasses.replace(with_norms, rule=spec.rule,
                                      rule_static=tuple(sorted(rule_static)))
     links = dict(unscale=rerun.unscale, prologue=rerun.prologue)
   rule = BoundRule(with_norms, names, True, static, apply=fused and not master, master=master,
@@ -79,13 +78,8 @@ def finish_op(spec: OptimizerSpec, n_norms: int, late: tuple, *, fused: bool, ma
     aliases += ((2 + n, 0), (1 + n, 1 + n))
   else:  # (r, *fields, p) -> the new params in p's buffer, or the update in r's
     aliases += ((1 + n, 0),) if fused else ((0, 0),)
-  hyper = spec.hyper + (("inv_scale",) if links["unscale"] else ()) + prologue_names(
-      links["prologue"]) + (("finite",) if guard else ()) + (
-      ("count_lo", "count_hi") if rule.indexed else ()) + (
-      ("seed_lo", "seed_hi") if rule.rounding else ()) + (
-      ("pseed_lo", "pseed_hi") if param_rounding else ())
   pads = (0.0, *(f.pad for f in late)) + (0.0,) * (1 + master)
-  return ElementwiseOp(rule, hyper, pads, aliases, name=f"{spec.name}_finish",
+  return ElementwiseOp(rule, rule.hyper(spec.hyper), pads, aliases, name=f"{spec.name}_finish",
                        indexed=rule.indexed, mixed_on_kernels=rule.widens_mixed,
                        leaf_hyper=tuple(f"norm_{k}" for k in range(n_norms)),
                        unguarded=rule.unguarded())
