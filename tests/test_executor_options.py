@@ -2,6 +2,7 @@
 kernel geometries they select give the reference's numbers."""
 
 import jax
+import jax.numpy as jnp
 import pytest
 
 import optirs_jax
@@ -17,10 +18,25 @@ from tests.test_lowering import cuda_triton_calls
     ({"grouped_tiling": Tiling(8)}, ValueError, "must have flat=True"),
     ({"grouped_max_buffers": 0}, ValueError, "grouped_max_buffers=0 must be an int from 1 to 4000"),
     ({"grouped_max_buffers": 5000}, ValueError, r"5000 must be an int from 1 to 4000 \(32 KB"),
+    ({"grouped_min_block_bytes": -1}, ValueError, "grouped_min_block_bytes=-1 must be an int >= 0"),
+    ({"grouped_min_block_bytes": True}, ValueError, "grouped_min_block_bytes=True must be an int"),
 ])
 def test_bad_options_are_rejected_when_made(kwargs, error, match):
   with pytest.raises(error, match=match):
     optirs_jax.ExecutorOptions(**kwargs)
+
+
+@pytest.mark.parametrize("dtypes, min_bytes, block", [
+    (["float32"] * 7, 4096, 256),  # Adam's fused apply: 28 bytes x 256 = 7 KB, as given
+    (["float32"] * 2, 4096, 512),  # 8 bytes: 2 KB at 256, 4 KB at 512
+    (["float32"], 4096, 1024),  # 4 bytes: 1 KB, 2 KB, then 4 KB at 1024
+    (["bfloat16"], 4096, 1024),  # 2 bytes: 512 bytes at 1024 still, but at most 4x
+    (["float32"], 0, 256),  # 0: the blocks as given
+])
+def test_grouped_blocks_widen_until_a_block_moves_the_minimum(dtypes, min_bytes, block):
+  options = optirs_jax.ExecutorOptions(grouped_min_block_bytes=min_bytes)
+  tiling = options.grouped_tiling_for([jnp.dtype(d) for d in dtypes])
+  assert tiling.block_elems == block and tiling.flat and tiling.num_warps == 4
 
 
 def test_bad_tiling_and_bad_options_argument():
