@@ -96,7 +96,7 @@ def main(argv=None):
     row = dict(config=name, first_s=first, busy_ms=busy and busy * 1e3,
                summed_ms=prof["summed_s"] and prof["summed_s"] * 1e3,
                x_optax=(base / busy) if base and busy else None, ns_tflops=tflops,
-               kernels=sum(c for _, _, c in prof["top"]) or None, top=prof["top"][:8])
+               kernels=sum(c for _, _, c in prof["top"]) or None, top=prof["top"][:40])
     rows.append(row)
     fmt = lambda v, f: format(v, f) if v is not None else format("-", ">" + f.split(".")[0])
     print(f"{name:<14}{first:9.2f}{fmt(row['busy_ms'], '10.3f')}{fmt(row['summed_ms'], '11.3f')}"

@@ -21,7 +21,8 @@ from optax import contrib
 
 import optirs_jax
 from optirs_jax.orthogonal import MuonDimensionNumbers as D
-from optirs_jax.orthogonal import coefficients, flops, orthogonalize
+from optirs_jax.orthogonal import coefficients, flops, orthogonalize, orthogonalize_stack
+from optirs_jax.orthogonal._newton_schulz import PRESETS
 
 CASES = [
     {}, {"nesterov": False}, {"adaptive": True}, {"preconditioning": "aol"},
@@ -107,11 +108,60 @@ def _dots(tx, params) -> int:
 
 
 def test_one_chain_per_matrix_shape(standard_promotion):
-  # attn (16x48), up (16x64) and down (64x16: its transpose) and emb (100x16: 16x100):
-  # three chains here, one per leaf (eleven) in optax's; three products a step each.
+  # attn (16x48), up (16x64), down (64x16: tall, taken transposed in place by its products)
+  # and emb (100x16): four chains here, one per leaf (eleven) in optax's; three products a
+  # step each (one leaf alone: optax's program).
   params = _layers_tree()
-  assert _dots(optirs_jax.muon(0.02), params) == 3 * 3
+  assert _dots(optirs_jax.muon(0.02), params) == 4 * 3
   assert _dots(contrib.muon(0.02), params) == 11 * 3
+
+
+def _ops(fn, *args) -> str:
+  return str(jax.make_jaxpr(fn)(*args))
+
+
+def test_stacks_take_tall_matrices_in_place_and_one_product_a_step():
+  # A stack of several tall matrices: no transpose, one product per step beyond the two of
+  # the polynomial (c0 folded into it); a long side above 4096 padded once, not per step.
+  coeffs = coefficients("standard", 5)
+  tall = jnp.ones((3, 4100, 8))
+  jaxpr = _ops(lambda x: orthogonalize_stack(x, coeffs, 5), tall)
+  assert "transpose" not in jaxpr
+  assert jaxpr.count("dot_general") == 3  # the unrolled loop's body
+  assert jaxpr.count(" pad[") == 1 and "4224" in jaxpr
+  # optax's program (exact): transposed there and back, c0 X + B X, no padding.
+  jaxpr = _ops(lambda x: orthogonalize_stack(x, coeffs, 5, exact=True), tall)
+  assert jaxpr.count("transpose") == 3 and " pad[" not in jaxpr  # in, out, the Gram's
+
+
+@pytest.mark.parametrize("preconditioning", ["frobenius", "aol", "schatten", "spectral"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.complex64])
+def test_in_place_tall_and_folded_steps_equal_the_transposed_chain(preconditioning, dtype):
+  # The fast form against optax's program, written out in numpy on the transposes.
+  if preconditioning == "schatten" and dtype == jnp.complex64:
+    pytest.skip("optax's Schatten step takes X X^T unconjugated: it diverges on complex X")
+  x = np.asarray(jax.random.normal(KEY, (2, 9, 5), dtype))
+  c = np.array(PRESETS["standard"])
+  ref = []
+  for m in x:
+    w = m.T
+    if preconditioning in ("frobenius", "spectral"):
+      norm = np.linalg.norm(w, "fro" if preconditioning == "frobenius" else 2)
+      w = w / (norm + 1e-8)
+    for i in range(5):
+      a = w @ w.conj().T if preconditioning != "schatten" or i else w @ w.T
+      if i == 0 and preconditioning == "aol":
+        s = 1 / np.sqrt(np.maximum(np.abs(a).sum(-1), 1e-8))
+        w, a = w * s[:, None], a * s[:, None] * s[None, :]
+      if i == 0 and preconditioning == "schatten":
+        s = 1 / np.sqrt(max(np.linalg.norm(a), 1e-8))
+        w, a = w * s, a * s**2
+      w = c[0] * w + (c[1] * a + c[2] * a @ a) @ w
+    ref.append(w.T)
+  with jax.default_matmul_precision("highest"):
+    got = orthogonalize_stack(jnp.asarray(x), jnp.asarray(c), 5,
+                              preconditioning=preconditioning)
+  np.testing.assert_allclose(np.asarray(got), np.stack(ref), rtol=2e-5, atol=2e-5)
 
 
 def test_bfloat16_newton_schulz_is_close_to_optax(standard_promotion):

@@ -12,9 +12,12 @@ quintic iteration
 on the wide orientation of each matrix (rows <= columns: the Gram matrix :math:`A` is the
 smaller one). optax runs one such chain per leaf; here every matrix of one shape and dtype
 (a transformer's layers) is stacked and the chain runs once on the stack, as batched
-matrix products: GPT-2 small's 48 weight matrices and two embeddings are five chains
-(the MLP's two projections, one the other's transpose, share one).
-Each matrix of a stack takes exactly the operations optax's chain takes on it alone.
+matrix products: GPT-2 small's 48 weight matrices and two embeddings are six chains.
+A leaf alone in its chain, at the momentum's precision, takes optax's program op for op
+(its numbers bit for bit). A stack of several, or any chain with a narrower ``ns_dtype``,
+takes the fast form, equal to rounding: a tall stack is not transposed (its products take
+it transposed in place), each step is one product, :math:`X_{k+1} = (c_0 I + c_1 A_k +
+c_2 A_k^2) X_k`, and a long side above 4096 is padded once for the products.
 """
 
 from __future__ import annotations
@@ -117,44 +120,98 @@ def _real_as(v, x):
   return v.astype(x.dtype) if jnp.iscomplexobj(x) else v
 
 
-def _gram(x):
-  return x @ jnp.swapaxes(x, -1, -2).conj()
+class _Side(NamedTuple):
+  """How a stack of matrices is multiplied, by its orientation. A wide stack (rows <=
+  columns) takes optax's iteration, ``A = X X^H`` and ``X' = c0 X + B X``; a tall one is
+  read as the transpose of a wide one, ``Y = X^T``, without moving it: ``A^T = Y^H Y`` and
+  ``Y' = c0 Y + Y B^T`` (``B^T`` is ``B`` of ``A^T``: transposing commutes with the
+  polynomial), so the products take their operands in place of a transpose each way."""
+
+  tall: bool
+
+  def gram(self, x, conj: bool = True):
+    """``X X^H`` (``Y^H Y`` for a tall stack; ``conj=False``: the plain transposes)."""
+    if not self.tall:  # optax's expression, so that the exact program is its program
+      xt = jnp.swapaxes(x, -1, -2)
+      return x @ (xt.conj() if conj else xt)
+    return _batched_dot(x.conj() if conj else x, x, 1)
+
+  def apply(self, b, x):
+    return _batched_dot(x, b, 2) if self.tall else b @ x
+
+  def scale(self, x, s):
+    """``x`` with each of its Gram matrix's rows' vectors (rows of a wide stack, columns
+    of a tall one) scaled by ``s`` (``[..., k]``)."""
+    return x * (s[..., None, :] if self.tall else s[..., :, None])
 
 
-def _step(x, c):
-  """One quintic step on a stack: ``c0 X + (c1 A + c2 A A) X`` with ``A = X X^H``, in
-  optax's order of operations (``c2 * A`` is formed before its product with ``A``)."""
-  a = _gram(x)
+def _batched_dot(a, b, axis: int):
+  """``a`` and ``b`` (``[batch, ., .]``) contracted over ``a``'s ``axis`` and ``b``'s rows
+  (an operand's transpose taken in place by the product)."""
+  return jax.lax.dot_general(a, b, (((axis,), (1,)), ((0,), (0,))),
+                             preferred_element_type=jnp.result_type(a, b))
+
+
+def _polynomial(a, c, fold: bool):
+  """``c1 A + c2 A A`` in optax's order (``c2 * A`` formed before its product with ``A``),
+  or with ``fold`` ``c0 I + c1 A + c2 A A``: the step is then one product."""
   b = c[1] * a + c[2] * a @ a
-  return c[0] * x + b @ x
+  if fold:
+    b = b + c[0] * jnp.eye(a.shape[-1], dtype=a.dtype)[None]
+  return b
 
 
-def _aol_step(x, c):
+def _step(x, c, side, fold):
+  """One quintic step on a stack: ``c0 X + (c1 A + c2 A A) X`` with ``A = X X^H``."""
+  b = _polynomial(side.gram(x), c, fold)
+  if fold:  # materialized: a product fed by an elementwise prologue falls off cuBLAS
+    return side.apply(jax.lax.optimization_barrier(b), x)
+  return c[0] * x + side.apply(b, x)
+
+
+def _aol_step(x, c, side, fold):
   """The first step with AOL rescaling (Boissin et al., 2025): each row scaled by the
   inverse square root of its Gram row's absolute sum."""
-  a = _gram(x)
-  s = jnp.expand_dims(jax.lax.rsqrt(jnp.clip(jnp.abs(a).sum(axis=-1), min=_FIRST_STEP_EPS)),
-                      -1)
+  a = side.gram(x)
+  s = jax.lax.rsqrt(jnp.clip(jnp.abs(a).sum(axis=-2 if side.tall else -1),
+                             min=_FIRST_STEP_EPS))
   s = _real_as(s, x)
-  x, a = x * s, a * s * jnp.swapaxes(s, -1, -2)
-  b = c[1] * a + c[2] * a @ a
-  return c[0] * x + b @ x
+  x, a = side.scale(x, s), a * s[..., :, None] * s[..., None, :]
+  b = _polynomial(a, c, fold)
+  if fold:
+    return side.apply(jax.lax.optimization_barrier(b), x)
+  return c[0] * x + side.apply(b, x)
 
 
-def _schatten_step(x, c):
+def _schatten_step(x, c, side, fold):
   """The first step rescaled by the Schatten-4 norm (Grishina et al., 2025)."""
-  a = x @ jnp.swapaxes(x, -1, -2)
+  a = side.gram(x, conj=False)  # optax's: no conjugate
   norm = jnp.linalg.norm(a, ord="fro", axis=(-2, -1), keepdims=True)
   s = _real_as(jax.lax.rsqrt(jnp.clip(norm, min=_FIRST_STEP_EPS)), x)
   x, a = x * s, a * s**2
-  b = c[1] * a + c[2] * a @ a
-  return c[0] * x + b @ x
+  b = _polynomial(a, c, fold)
+  if fold:
+    return side.apply(jax.lax.optimization_barrier(b), x)
+  return c[0] * x + side.apply(b, x)
+
+
+#: Stacks whose long side is above this are padded to a multiple of ``_PAD`` once, before
+#: the iteration: a product contracting over an unaligned axis pads its operand itself,
+#: a pass over the stack in every step (GPT-2's 50257-entry vocabulary).
+_PAD_ABOVE, _PAD = 4096, 128
 
 
 def orthogonalize_stack(x: jax.Array, coeffs: jax.Array, ns_steps: int, *,
-                        preconditioning: str = "frobenius", eps=1e-8, ns_dtype=None
-                        ) -> jax.Array:
+                        preconditioning: str = "frobenius", eps=1e-8, ns_dtype=None,
+                        exact: bool = False) -> jax.Array:
   """Newton–Schulz on every matrix of ``x`` (``[batch, rows, cols]``), one chain.
+
+  A tall stack (rows > columns) is iterated as the transpose of a wide one, as optax
+  does. With ``exact``, by optax's program op for op (the stack transposed there and
+  back, ``c0 X + B X``): on one matrix its numbers bit for bit. Otherwise the fast form,
+  the same numbers to rounding: the products take a tall stack transposed in place, each
+  step is one product ``(c0 I + c1 A + c2 A^2) X``, and a long side above 4096 is padded
+  with zeros to a multiple of 128 once (its products would pad it in every step).
 
   Args:
     x: the stacked matrices.
@@ -164,6 +221,7 @@ def orthogonalize_stack(x: jax.Array, coeffs: jax.Array, ns_steps: int, *,
       ``"aol"`` or ``"schatten"`` (rescale in the first step).
     eps: added to the Frobenius or spectral norm.
     ns_dtype: the products' dtype (``None``: ``x``'s); the result comes back in ``x``'s.
+    exact: optax's program (above).
 
   Returns:
     The orthogonalized stack, shaped and typed as ``x``.
@@ -173,9 +231,17 @@ def orthogonalize_stack(x: jax.Array, coeffs: jax.Array, ns_steps: int, *,
   dtype = x.dtype
   if ns_dtype is not None:
     x = x.astype(ns_dtype)
-  wide = x.shape[-2] <= x.shape[-1]
-  if not wide:
-    x = jnp.swapaxes(x, -1, -2)
+  side = _Side(x.shape[-2] > x.shape[-1])
+  swap = exact and side.tall
+  if swap:
+    x, side = jnp.swapaxes(x, -1, -2), _Side(False)
+  fold = not exact
+  axis = -2 if side.tall else -1
+  long = x.shape[axis]
+  if not exact and long > _PAD_ABOVE and long % _PAD:  # zeros: A and the rest unchanged
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, -long % _PAD)
+    x = jnp.pad(x, pad)
   if preconditioning == "frobenius":
     x = x / _real_as(jnp.linalg.norm(x, ord="fro", axis=(-2, -1), keepdims=True) + eps, x)
   elif preconditioning == "spectral":
@@ -185,8 +251,9 @@ def orthogonalize_stack(x: jax.Array, coeffs: jax.Array, ns_steps: int, *,
 
   def step(i, x, row):
     if first is None:
-      return _step(x, row)
-    return jax.lax.cond(i == 0, lambda x: first(x, row), lambda x: _step(x, row), x)
+      return _step(x, row, side, fold)
+    return jax.lax.cond(i == 0, lambda x: first(x, row, side, fold),
+                        lambda x: _step(x, row, side, fold), x)
 
   # optax's loop structure (an unrolled fori_loop, or a scan over the rows), so that XLA
   # compiles the same iteration and the numbers are optax's bit for bit.
@@ -198,7 +265,9 @@ def orthogonalize_stack(x: jax.Array, coeffs: jax.Array, ns_steps: int, *,
       return (i + 1, step(i, x, row)), None
 
     (_, x), _ = jax.lax.scan(body, (jnp.asarray(0, jnp.int32), x), c)
-  if not wide:
+  if x.shape[axis] != long:
+    x = jax.lax.slice_in_dim(x, 0, long, axis=x.ndim + axis)
+  if swap:
     x = jnp.swapaxes(x, -1, -2)
   return x.astype(dtype)
 
@@ -206,8 +275,8 @@ def orthogonalize_stack(x: jax.Array, coeffs: jax.Array, ns_steps: int, *,
 def orthogonalize(leaves: Sequence[jax.Array], dims: Sequence, coeffs: jax.Array,
                   ns_steps: int, *, preconditioning: str = "frobenius", eps=1e-8,
                   ns_dtype=None, ns_axes="auto") -> list[jax.Array]:
-  """Every leaf orthogonalized; leaves whose matrices share a shape (up to a transpose)
-  and a dtype run as one batched chain (:func:`orthogonalize_stack` of their concatenated
+  """Every leaf orthogonalized; leaves whose matrices share a shape and a dtype run as
+  one batched chain (:func:`orthogonalize_stack` of their concatenated
   matrices).
 
   On a mesh of several devices (the context mesh of ``jax.set_mesh``, or the mesh of
@@ -227,13 +296,9 @@ def orthogonalize(leaves: Sequence[jax.Array], dims: Sequence, coeffs: jax.Array
   True
   """
   views = [MatrixView.of(x.shape, d) for x, d in zip(leaves, dims, strict=True)]
-  # Tall matrices are orthogonalized transposed (as optax does each): one chain serves a
-  # shape and its transpose (an MLP's two projections).
-  tall = [v.shape[1] > v.shape[2] for v in views]
   groups: dict = {}
   for i, (x, v) in enumerate(zip(leaves, views)):
-    wide = v.shape[2:0:-1] if tall[i] else v.shape[1:]
-    groups.setdefault((wide, jnp.dtype(x.dtype)), []).append(i)
+    groups.setdefault((v.shape[1:], jnp.dtype(x.dtype)), []).append(i)
   mesh, usable = _mesh_of(leaves)
   spread = _spread_axes(mesh, usable, ns_axes)
   kw = dict(preconditioning=preconditioning, eps=eps, ns_dtype=ns_dtype, mesh=mesh,
@@ -243,13 +308,12 @@ def orthogonalize(leaves: Sequence[jax.Array], dims: Sequence, coeffs: jax.Array
   out: list = [None] * len(leaves)
   for idx in groups.values():
     mats = [views[i].to_matrices(leaves[i]) for i in idx]
-    mats = [jnp.swapaxes(m, -1, -2) if tall[i] else m for m, i in zip(mats, idx)]
     run = lambda mats: _orthogonalize_group(mats, coeffs, ns_steps, **kw)
     if explicit:  # GSPMD places the stack (Explicit axes would refuse its concatenation)
       run = jax.sharding.auto_axes(run, axes=tuple(explicit),
                                    out_sharding=[jax.typeof(m).sharding for m in mats])
     for i, part in zip(idx, run(mats)):
-      out[i] = views[i].from_matrices(jnp.swapaxes(part, -1, -2) if tall[i] else part)
+      out[i] = views[i].from_matrices(part)
   return out
 
 
@@ -260,7 +324,10 @@ def _orthogonalize_group(mats, coeffs, ns_steps, *, mesh, spread, **kw):
   batch = stack.shape[0]
   if spread:
     stack = _spread(stack, mesh, spread)
-  done = orthogonalize_stack(stack, coeffs, ns_steps, **kw)[:batch]
+  ns_dtype = kw.get("ns_dtype")
+  # One leaf at the momentum's precision takes optax's program, its numbers bit for bit.
+  exact = len(mats) == 1 and (ns_dtype is None or jnp.dtype(ns_dtype) == stack.dtype)
+  done = orthogonalize_stack(stack, coeffs, ns_steps, exact=exact, **kw)[:batch]
   bounds = np.cumsum([0] + [m.shape[0] for m in mats])
   return [done[a:b] for a, b in itertools.pairwise(bounds)]
 
