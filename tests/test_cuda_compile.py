@@ -9,6 +9,7 @@ on a machine with a GPU, whose own tests compile for it.
 
 import importlib.util
 import os
+import re
 import shutil
 
 import jax
@@ -113,6 +114,25 @@ def test_master_weights_with_loss_scaling_compile_through_xla_for_an_h200(
   text = _compile(lambda p, s, g: optirs_jax.apply(tx, g, s, p), params,
                   tx.init(params), params)
   assert text.count(f'custom_call_target="{TRITON}"') == 3
+
+
+@pytest.mark.parametrize("fmt", ["dynamic8", "fp8"])
+def test_master_weights_with_quantized_state_compile_in_one_kernel_per_leaf(
+    h200, fmt, standard_promotion):
+  # bfloat16 params, float32 masters, 8-bit moments: each large leaf's kernel reads the
+  # bfloat16 gradient, the codes and the master and writes all three back, so a kernel
+  # per leaf and the loss scale's check (two launches); XLA decodes no state around them.
+  tx = mp.with_loss_scaling(mp.master_weights(optirs_jax.adamw(
+      1e-3, state_quantization=fmt, min_quantized_size=1024)))
+  params = {"w": jnp.ones((64, 512), jnp.bfloat16), "v": jnp.ones((32, 1024), jnp.bfloat16)}
+  text = _compile(lambda p, s, g: optirs_jax.apply(tx, g, s, p), params,
+                  tx.init(params), params)
+  assert text.count(f'custom_call_target="{TRITON}"') == 2 + 2
+  assert ("f8e4m3fn" in text) == (fmt == "fp8")
+  # the kernel's outputs: bfloat16 params, both fields' codes and scales, the float32 master
+  codes = {"dynamic8": "s8", "fp8": "f8e4m3fn"}[fmt]
+  kernel = re.search(r"\(bf16\[128,256\]\{1,0\}, " + codes + r"\[128,256\].*?\) custom-call", text)
+  assert kernel is not None and "f32[128,256]{1,0})" in kernel.group(0)
 
 
 @pytest.mark.parametrize("fmt", ["dynamic8", "fp8"])

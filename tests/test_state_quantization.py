@@ -197,3 +197,37 @@ def test_inject_hyperparams_keeps_the_format():
 def test_bad_arguments_name_the_value(kw, match):
   with pytest.raises(ValueError, match=match):
     optirs_jax.lion(1e-3, **kw)
+
+
+@pytest.mark.parametrize("fmt", ["dynamic8", "fp8"])
+def test_master_weights_decode_and_encode_inside_the_kernel(fmt):
+  """bfloat16 params with float32 masters: the fused apply's kernel reads the bfloat16
+  gradient, the codes and the master, and writes the bfloat16 params, the codes and the
+  master (no float32 copy of the state around it), with the reference's numbers."""
+  kernel = mp.master_weights(optirs_jax.adamw(1e-2, weight_decay=0.1, state_quantization=fmt,
+                                              min_quantized_size=1024, backend="pallas"))
+  reference = mp.master_weights(optirs_jax.adamw(1e-2, weight_decay=0.1,
+                                                 state_quantization=fmt,
+                                                 min_quantized_size=1024, backend="jnp"))
+  params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), _tree(0))
+  step = lambda tx: jax.jit(lambda g, s, p: optirs_jax.apply(tx, g, s, p))
+  jaxpr = str(jax.make_jaxpr(lambda g, s, p: optirs_jax.apply(kernel, g, s, p))(
+      params, kernel.init(params), params))
+  assert jaxpr.count(f"name=adamw_{fmt}") == 1  # "w" ("e" has a short last block)
+  code_dtype = {"fp8": "f8_e4m3fn", "dynamic8": "i8"}[fmt]
+  assert f"{code_dtype}[8,512]" in jaxpr and "f32[8,512]" in jaxpr  # codes and master
+  p1 = p2 = params
+  s1, s2 = kernel.init(params), reference.init(params)
+  for t in range(3):
+    g = jax.tree.map(lambda x, t=t: (0.1 * jnp.cos(x * (t + 1))).astype(x.dtype), p1)
+    p1, s1 = step(kernel)(g, s1, p1)
+    p2, s2 = step(reference)(g, s2, p2)
+  chex.assert_trees_all_equal_dtypes(p1, params)
+  chex.assert_trees_all_close(s1.master, s2.master, rtol=1e-5, atol=1e-6)
+  chex.assert_trees_all_close(p1, p2, rtol=2**-7, atol=1e-6)
+  for name in ("mu", "nu"):
+    a, b = getattr(s1.inner_state, name), getattr(s2.inner_state, name)
+    for k in ("w", "e"):  # quantized; "b" is kept in float32 (below min_quantized_size)
+      assert_quantized_close(Quantized8bit(a.codes[k], a.absmax[k]),
+                             Quantized8bit(b.codes[k], b.absmax[k]), step_rtol=0.15)
+    np.testing.assert_allclose(a.codes["b"], b.codes["b"], rtol=1e-5, atol=1e-9)

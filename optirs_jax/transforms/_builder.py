@@ -183,7 +183,7 @@ def build(spec: OptimizerSpec,
     weights = [m[i] if uses_master[i] else p[i] for i in range(len(g))] if p else None
     outs: list[Any] = [None] * len(g)
     norms: list[Any] = [None] * len(g)
-    in_kernel, kernel_platforms = _kernel_quantized(quantized, len(g), g, master=m)
+    in_kernel, kernel_platforms = _kernel_quantized(quantized, len(g), g)
     variants = sorted(set(zip(decays, uses_master)), reverse=True)
     for decay, in_master in variants:  # one op per static variant of the rule
       idx = [i for i in range(len(g)) if (decays[i], uses_master[i]) == (decay, in_master)
@@ -193,11 +193,13 @@ def build(spec: OptimizerSpec,
                    param_rounding=fused and param_seed is not None,
                    cast_lr=cast_lr, prologue=kinds)
       op, with_p, with_low = _op(spec, options, names, mode, decay=decay, measures=measures)
-      quantized_idx = [i for i in idx if in_kernel[i] is not None and g[i].dtype == jnp.float32
+      # float32 gradients, or half ones with a float32 master (which the rule reads as p)
+      quantized_idx = [i for i in idx if in_kernel[i] is not None
+                       and (g[i].dtype == jnp.float32 or in_master)
                        and (not with_p or weights[i].dtype == jnp.float32)]
       if quantized_idx:
-        _run_quantized(op, h, quantized_idx, g, in_kernel, weights if with_p else None,
-                       outs, kernel_platforms)
+        extras = {i: (weights[i],) * with_p + (p[i],) * with_low for i in quantized_idx}
+        _run_quantized(op, h, quantized_idx, g, in_kernel, extras, outs, kernel_platforms)
         idx = sorted(set(idx) - set(quantized_idx))
         if not idx:
           continue
@@ -261,14 +263,13 @@ def build(spec: OptimizerSpec,
       outs[i] = (r, placeholder)  # the rule's one field is the full statistics
     return {k: jax.tree.unflatten(treedef, v) for k, v in new.items()}
 
-  def _kernel_quantized(quantized, n, g, *, master):
+  def _kernel_quantized(quantized, n, g):
     """Per leaf, its quantized rule fields where the kernel decodes and encodes them (else
     None), and ``(trace the Triton kernel, how other platforms run it)``: on a step traced
     for an NVIDIA GPU (or with ``backend="pallas"``, Pallas' interpreter elsewhere), for a
-    rule without per-leaf norms, without master weights."""
+    rule without per-leaf norms."""
     none = [None] * n
-    if (quantized is None or spec.reduction is not None or master is not None
-        or backend == "jnp" or not g):
+    if quantized is None or spec.reduction is not None or backend == "jnp" or not g:
       return none, None
     targets = lowering_targets([(g[0],)])
     cuda = "cuda" in targets
@@ -277,16 +278,18 @@ def build(spec: OptimizerSpec,
     other = "interpret" if backend == "pallas" and "tpu" not in targets else "jnp"
     return _quantized.kernel_fields(quantized, names, n) or none, (cuda, other)
 
-  def _run_quantized(op, h, idx, g, in_kernel, weights, outs, platforms):
+  def _run_quantized(op, h, idx, g, in_kernel, extras, outs, platforms):
     """The leaves ``idx`` through the quantized kernel: ``outs[i] = (update or new params,
-    Quantized8bit per field)``."""
-    extras = lambda i: () if weights is None else (weights[i],)
+    Quantized8bit per field[, new master])``; ``extras[i]``: the rule's inputs after its
+    fields (the params or master copy, and the half-precision params in master mode)."""
     floats = [(g[i], *(jax.ShapeDtypeStruct(g[i].shape, jnp.float32) for _ in names),
-               *extras(i)) for i in idx]
-    out_dtypes = [d[0] for d in output_dtypes(op, h, floats)]
-    alias_out = 0 if (1 + len(names), 0) in op.aliases else None  # the params, fused
+               *extras[i]) for i in idx]
+    out_dtypes = [(d[0], *d[1 + len(names):]) for d in output_dtypes(op, h, floats)]
+    # the extra whose buffer takes the first output: the params (half ones with a master)
+    alias_out = next((i - 1 - len(names) for i, o in op.aliases
+                      if o == 0 and i > len(names)), None)
     results = _quantized_kernel.execute(
-        op, h, [(g[i], *in_kernel[i], *extras(i)) for i in idx], n_fields=len(names),
+        op, h, [(g[i], *in_kernel[i], *extras[i]) for i in idx], n_fields=len(names),
         signed=[not f.nonneg for f in fields], out_dtypes=out_dtypes, cuda=platforms[0],
         other=platforms[1], tiling=executor_options.quantized_tiling, alias_out=alias_out)
     for i, r in zip(idx, results):

@@ -66,19 +66,22 @@ def tables_of(hvec) -> tuple[jax.Array, jax.Array]:
   return hvec[NHP:NHP + _TABLES[0]], hvec[NHP + _TABLES[0]:NHP + sum(_TABLES)]
 
 
-def block_step(op: ElementwiseOp, h, g, fields, extras, out_dtype, *, signed: Sequence[bool],
-               fmt: str, tables=(None, None), index=None):
-  """Blocks in, blocks out: ``(out, [(codes, absmax) per field])``. ``fields``: each
-  field's ``(codes [..., block], absmax [..., 1])``; ``signed``: per field, whether it is
-  stored on the signed map; ``tables``: the signed and unsigned maps' magnitudes (arrays or
-  a kernel's refs; None builds them)."""
+def block_step(op: ElementwiseOp, h, g, fields, extras, out_dtypes, *,
+               signed: Sequence[bool], fmt: str, tables=(None, None), index=None):
+  """Blocks in, blocks out: ``(out, [(codes, absmax) per field], [tail outputs])``.
+  ``fields``: each field's ``(codes [..., block], absmax [..., 1])``; ``out_dtypes``: the
+  first output's dtype, then those of the outputs after the fields (the float32 master
+  copy, in master mode); ``signed``: per field, whether it is stored on the signed map;
+  ``tables``: the signed and unsigned maps' magnitudes (arrays or a kernel's refs; None
+  builds them)."""
   table = lambda s: tables[0] if s else tables[1]
+  n = len(fields)
   decoded = [dequantize_blocks(c, a, table(s)) for (c, a), s in zip(fields, signed)]
   outs, _ = block_math(op, h, [g, *decoded, *extras],
-                       [out_dtype] + [jnp.float32] * len(fields), index)
+                       [out_dtypes[0]] + [jnp.float32] * n + list(out_dtypes[1:]), index)
   new = [quantize_blocks(x, signed=s, fmt=fmt, table=table(s))
-         for x, s in zip(outs[1:], signed)]
-  return outs[0], new
+         for x, s in zip(outs[1:1 + n], signed)]
+  return outs[0], new, list(outs[1 + n:])
 
 
 def _body(h_ref, *refs, op: ElementwiseOp, n_fields: int, n_extras: int, signed, fmt: str,
@@ -88,27 +91,31 @@ def _body(h_ref, *refs, op: ElementwiseOp, n_fields: int, n_extras: int, signed,
   extra_refs = refs[1 + 2 * n_fields:1 + 2 * n_fields + n_extras]
   rest = refs[1 + 2 * n_fields + n_extras:]
   tables = tuple(rest[:n_tables]) if n_tables else (None, None)
-  o_ref, *field_out = rest[n_tables:]
+  o_ref, *outs = rest[n_tables:]
+  field_out, tail_out = outs[:2 * n_fields], outs[2 * n_fields:]
   index = None
   if op.indexed:  # the element's index in its (local) leaf: whole rows per program
     shape = g_ref.shape
     index = block_index(shape, pl.program_id(0) * shape[0] * shape[1])
-  out, new = block_step(
+  out, new, tail = block_step(
       op, read_hyper(h_ref, op.hyper), g_ref[...],
       [(field_refs[2 * k][...], field_refs[2 * k + 1][...]) for k in range(n_fields)],
-      [r[...] for r in extra_refs], o_ref.dtype, signed=signed, fmt=fmt, tables=tables,
-      index=index)
+      [r[...] for r in extra_refs], (o_ref.dtype, *(r.dtype for r in tail_out)),
+      signed=signed, fmt=fmt, tables=tables, index=index)
   o_ref[...] = out
   for k, (c, a) in enumerate(new):
     field_out[2 * k][...] = c
     field_out[2 * k + 1][...] = a
+  for r, x in zip(tail_out, tail):
+    r[...] = x
 
 
-def _rows(op, hvec, g, fields, extras, out_dtype, *, signed, fmt, platform: str,
+def _rows(op, hvec, g, fields, extras, out_dtypes, *, signed, fmt, platform: str,
           tiling: Tiling, alias_out: int | None):
   """One leaf's kernel on ``[blocks, block_size]`` views (``fields``' scales
-  ``[blocks, 1]``): ``(out, [(codes, absmax) per field])``. ``alias_out``: the position
-  among ``extras`` whose buffer the output takes (the params, on the fused apply)."""
+  ``[blocks, 1]``): ``(out, [(codes, absmax) per field], [tail outputs])``. ``alias_out``:
+  the position among ``extras`` whose buffer the output takes (the params, on the fused
+  apply); the tail outputs take the buffers of the extras the op aliases them to."""
   n = len(fields)
   flat_fields = [x for f in fields for x in f]
   tables = tables_of(hvec) if fmt == "dynamic8" else ()
@@ -121,14 +128,20 @@ def _rows(op, hvec, g, fields, extras, out_dtype, *, signed, fmt, platform: str,
   row_spec = pl.BlockSpec((rows, bs), lambda i: (i, 0))
   col_spec = pl.BlockSpec((rows, 1), lambda i: (i, 0))
   field_specs = [row_spec, col_spec] * n
+  out_dtype, tail_dtypes = out_dtypes[0], out_dtypes[1:]
   out_shape = [sharding.out_struct(g, g.shape, out_dtype)]
   for k in range(n):
     out_shape += [sharding.out_struct(g, g.shape, flat_fields[2 * k].dtype),
                   sharding.out_struct(g, (nb, 1), jnp.float32)]
-  # Operand positions count the vector first: g 1, the fields' codes and scales, extras.
+  out_shape += [sharding.out_struct(g, g.shape, dt) for dt in tail_dtypes]
+  # Operand positions count the vector first: g 1, the fields' codes and scales, extras;
+  # outputs: the first, the fields' codes and scales, the tail.
   aliases = {2 + j: 1 + j for j in range(2 * n)}
   if alias_out is not None and extras[alias_out].dtype == out_dtype:
     aliases[2 + 2 * n + alias_out] = 0
+  for i, o in op.aliases:  # an extra the op writes back as a tail output (the master)
+    if i > n and o > n and extras[i - n - 1].dtype == tail_dtypes[o - n - 1]:
+      aliases[2 + 2 * n + i - n - 1] = 1 + 2 * n + o - n - 1
   results = pl.pallas_call(
       functools.partial(_body, op=op, n_fields=n, n_extras=len(extras), signed=tuple(signed),
                         fmt=fmt, n_tables=len(tables)),
@@ -137,28 +150,30 @@ def _rows(op, hvec, g, fields, extras, out_dtype, *, signed, fmt, platform: str,
       in_specs=([pl.BlockSpec((NHP,), lambda i: (0,)), row_spec] + field_specs
                 + [row_spec] * len(extras)
                 + [pl.BlockSpec(t.shape, lambda i: (0,)) for t in tables]),
-      out_specs=tuple([row_spec] + field_specs),
+      out_specs=tuple([row_spec] + field_specs + [row_spec] * len(tail_dtypes)),
       input_output_aliases=aliases,
       interpret=platform == "interpret",
       compiler_params=compiler_params(platform, tiling),
       name=f"{op.name}_{fmt}",
   )(hvec, g, *flat_fields, *extras, *tables)
   out, new = results[0], [(results[1 + 2 * k], results[2 + 2 * k]) for k in range(n)]
+  tail = list(results[1 + 2 * n:])
   start = programs * rows
   if start == nb:
-    return out, new
+    return out, new, tail
   cut = lambda x: x[start:]
   index = block_index((nb - start, bs), start * bs) if op.indexed else None
-  t_out, t_new = block_step(
+  t_out, t_new, t_tail = block_step(
       op, read_hyper(hvec, op.hyper), cut(g),
       [(cut(flat_fields[2 * k]), cut(flat_fields[2 * k + 1])) for k in range(n)],
-      [cut(x) for x in extras], out_dtype, signed=signed, fmt=fmt, tables=tables_of(hvec),
+      [cut(x) for x in extras], out_dtypes, signed=signed, fmt=fmt, tables=tables_of(hvec),
       index=index)
-  return out.at[start:].set(t_out), [(c.at[start:].set(tc), a.at[start:].set(ta))
-                                     for (c, a), (tc, ta) in zip(new, t_new)]
+  return (out.at[start:].set(t_out), [(c.at[start:].set(tc), a.at[start:].set(ta))
+                                      for (c, a), (tc, ta) in zip(new, t_new)],
+          [x.at[start:].set(t) for x, t in zip(tail, t_tail)])
 
 
-def _whole(op, hvec, g, fields, extras, out_dtype, *, signed, fmt, block_size: int):
+def _whole(op, hvec, g, fields, extras, out_dtypes, *, signed, fmt, block_size: int):
   """One leaf in jnp: the fields decoded whole, the rule on the flat leaf, each new field
   encoded by rows of blocks (a last axis of part of a block included)."""
   tables = tables_of(hvec)
@@ -168,14 +183,15 @@ def _whole(op, hvec, g, fields, extras, out_dtype, *, signed, fmt, block_size: i
              for (c, a), s in zip(fields, signed)]
   flat = [x.reshape(-1) for x in (g, *decoded, *extras)]
   index = block_index(flat[0].shape) if op.indexed else None
+  n = len(fields)
   outs, _ = block_math(op, read_hyper(hvec, op.hyper), flat,
-                       [out_dtype] + [jnp.float32] * len(fields), index)
+                       [out_dtypes[0]] + [jnp.float32] * n + list(out_dtypes[1:]), index)
   new = []
-  for x, s in zip(outs[1:], signed):
+  for x, s in zip(outs[1:1 + n], signed):
     c, a = quantize_blocks(as_row_blocks(x.reshape(g.shape), block_size), signed=s, fmt=fmt,
                            table=table(s))
     new.append((from_row_blocks(c, g.shape), a[..., 0]))
-  return outs[0].reshape(g.shape), new
+  return outs[0].reshape(g.shape), new, [x.reshape(g.shape) for x in outs[1 + n:]]
 
 
 def _local(hvec, leaves, *, op, n_fields, signed, fmt, block_size, out_dtypes, platform,
@@ -193,16 +209,19 @@ def _local(hvec, leaves, *, op, n_fields, signed, fmt, block_size, out_dtypes, p
       where = "jnp"  # Pallas' interpreter cannot check varying axes inside a shard_map
     if (where == "jnp" or g.ndim == 0 or g.shape[-1] % block_size
         or (where == "cuda" and block_size & (block_size - 1))):  # Triton: powers of two
-      out, new = _whole(op, hvec, g, fields, extras, dts[0], signed=signed, fmt=fmt,
-                        block_size=block_size)
+      out, new, tail = _whole(op, hvec, g, fields, extras, (dts[0], *dts[1 + 2 * n_fields:]),
+                              signed=signed, fmt=fmt, block_size=block_size)
     else:
       rows = lambda x: x.reshape(-1, block_size)
-      out, new = _rows(op, hvec, rows(g), [(rows(c), a.reshape(-1, 1)) for c, a in fields],
-                       [rows(x) for x in extras], dts[0], signed=signed, fmt=fmt,
-                       platform=where, tiling=tiling, alias_out=alias_out)
+      out, new, tail = _rows(op, hvec, rows(g),
+                             [(rows(c), a.reshape(-1, 1)) for c, a in fields],
+                             [rows(x) for x in extras], (dts[0], *dts[1 + 2 * n_fields:]),
+                             signed=signed, fmt=fmt, platform=where, tiling=tiling,
+                             alias_out=alias_out)
       out = out.reshape(g.shape)
       new = [(c.reshape(g.shape), a.reshape(f[1].shape)) for (c, a), f in zip(new, fields)]
-    outs.append((out, *(x for pair in new for x in pair)))
+      tail = [x.reshape(g.shape) for x in tail]
+    outs.append((out, *(x for pair in new for x in pair), *tail))
   return outs, [()] * len(leaves)
 
 
@@ -213,19 +232,19 @@ def execute(op: ElementwiseOp, h, leaves: Sequence[tuple], *, n_fields: int,
 
   Args:
     op: the float rule and its wiring (its inputs ``(g, *fields, *extras)``, its outputs
-      ``(u, *fields)``).
+      ``(u, *fields, *tail)``: the tail, in master mode, the new float32 master copy).
     h: this step's scalars.
     leaves: per leaf ``(g, Quantized8bit per field, *extras)``, every field of a leaf in one
       format and block size.
     n_fields, signed: the quantized fields, and per field whether its map is signed.
-    out_dtypes: per leaf, the dtype of the rule's first output.
+    out_dtypes: per leaf, the dtypes of the rule's first output and of its tail.
     cuda: whether to trace the Triton kernel (for a step lowered for an NVIDIA GPU).
     other: how other platforms run it: ``"jnp"`` or ``"interpret"`` (Pallas' interpreter).
     tiling: quantization blocks per program and the Triton launch settings.
     alias_out: the position among the extras whose buffer the first output may take.
 
   Returns:
-    Per leaf ``(out, Quantized8bit per field)``.
+    Per leaf ``(out, Quantized8bit per field, *tail)``.
   """
   hvec = with_tables(hyper_vector(h, op.hyper))
   plans = [(leaf[1].block_size, leaf[1].codes.dtype) for leaf in leaves]
@@ -240,8 +259,8 @@ def execute(op: ElementwiseOp, h, leaves: Sequence[tuple], *, n_fields: int,
       for bs, dt in dict.fromkeys(plans):
         idx = [i for i, plan in enumerate(plans) if plan == (bs, dt)]
         fmt = "fp8" if dt == jnp.float8_e4m3fn else "dynamic8"
-        dts = [(out_dtypes[i], *(x.dtype for x in flat[i][1:1 + 2 * n_fields]))
-               for i in idx]
+        dts = [(out_dtypes[i][0], *(x.dtype for x in flat[i][1:1 + 2 * n_fields]),
+                *out_dtypes[i][1:]) for i in idx]
         local = functools.partial(_local, op=op, n_fields=n_fields, signed=tuple(signed),
                                   fmt=fmt, block_size=bs, out_dtypes=dts, platform=platform,
                                   tiling=tiling, alias_out=alias_out)
@@ -257,5 +276,5 @@ def execute(op: ElementwiseOp, h, leaves: Sequence[tuple], *, n_fields: int,
                                                default=run(other))
   else:
     results = run(other)((hvec, flat))
-  return [(r[0], *(Quantized8bit(r[1 + 2 * k], r[2 + 2 * k]) for k in range(n_fields)))
-          for r in results]
+  return [(r[0], *(Quantized8bit(r[1 + 2 * k], r[2 + 2 * k]) for k in range(n_fields)),
+           *r[1 + 2 * n_fields:]) for r in results]
