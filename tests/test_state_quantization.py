@@ -18,7 +18,7 @@ import pytest
 
 import optirs_jax
 from optirs_jax import mixed_precision as mp
-from optirs_jax.quantization import Quantized8bit, state_nbytes
+from optirs_jax.quantization import Quantized8bit, quantize_blockwise, state_nbytes
 from optirs_jax.transforms import REGISTRY
 from tests.states import assert_quantized_close
 from tests.test_adam8bit import _np_quantize
@@ -231,3 +231,31 @@ def test_master_weights_decode_and_encode_inside_the_kernel(fmt):
       assert_quantized_close(Quantized8bit(a.codes[k], a.absmax[k]),
                              Quantized8bit(b.codes[k], b.absmax[k]), step_rtol=0.15)
     np.testing.assert_allclose(a.codes["b"], b.codes["b"], rtol=1e-5, atol=1e-9)
+
+
+@pytest.mark.parametrize("name, kw", [("adam", {}), ("adagrad", {}),
+                                      ("rmsprop", {"initial_scale": 0.5})])
+@pytest.mark.parametrize("fmt", ["dynamic8", "fp8"])
+def test_init_stores_the_numpy_format_of_each_fields_starting_value(name, kw, fmt):
+  # The fields are encoded from their constant (no float32 copy of the state is made at
+  # init); what is stored is the format of the filled leaf, short last block included.
+  tx = getattr(optirs_jax, name)(1e-2, **kw, state_quantization=fmt, min_quantized_size=1024)
+  state = tx.init(_tree(0))
+  jaxpr = str(jax.make_jaxpr(tx.init)(_tree(0)))
+  assert "f32[8,512] = " not in jaxpr and "f32[3,700] = " not in jaxpr  # no float32 field
+  spec = REGISTRY[name].spec
+  for f in spec.fields:
+    q = _field(state, f.name)
+    if not isinstance(q, Quantized8bit):
+      continue
+    value = {"initial_accumulator_value": 0.1, "initial_scale": kw.get("initial_scale")}.get(
+        f.init, f.init) if isinstance(f.init, str) else f.init
+    for k in ("w", "e"):
+      full = np.full(SHAPES[k], value, np.float32)
+      np.testing.assert_array_equal(q.dequantize()[k], _np_format(full, not f.nonneg, fmt))
+      direct = quantize_blockwise(jnp.asarray(full), signed=not f.nonneg, block_size=256,
+                                  state_quantization=fmt)
+      np.testing.assert_array_equal(np.asarray(q.codes[k]).view(np.uint8),
+                                    np.asarray(direct.codes).view(np.uint8))
+      np.testing.assert_array_equal(q.absmax[k], direct.absmax)
+    np.testing.assert_array_equal(q.codes["b"], np.full(SHAPES["b"], value, np.float32))

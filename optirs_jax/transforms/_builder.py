@@ -98,21 +98,27 @@ def build(spec: OptimizerSpec,
   def init_fn(params):
     c.flatten(fn, "params", params)
 
+    def value_of(field):
+      return options[field.init] if isinstance(field.init, str) else field.init
+
     def init(field):
-      value = options[field.init] if isinstance(field.init, str) else field.init
-      dtype = options.get(field.dtype) if field.dtype else None
+      value, dtype = value_of(field), options.get(field.dtype) if field.dtype else None
       if field.per_leaf:
         return jax.tree.map(lambda x: jnp.asarray(value, dtype=dtype or x.dtype), params)
+      if quantization is not None:  # filled (or encoded) from the value by encode_fields
+        return jax.tree.map(lambda x: _quantized.Fill(x, jnp.dtype(dtype or x.dtype)), params)
       return optax.tree.full_like(params, value, dtype=dtype)
 
     # Row and column statistics, or the full ones, per leaf (the full field made once).
     values = {} if spec.factored is None else _factored.init(spec, options, params)
+    factored_names = set(values)
     values |= {f.name: init(f) if f.exists(options) else None for f in spec.fields
                if f.name not in values}
     state = spec.state(count=jnp.zeros([], jnp.int32), **_noise.key_state(spec, options),
                        **values)
-    if quantization is not None:
-      state = _quantized.encode_fields(fn, state, spec.fields, quantization)
+    if quantization is not None:  # the fields filled (and encoded) from their values
+      state = _quantized.encode_fields(fn, state, spec.fields, quantization, {
+          f.name: value_of(f) for f in spec.fields if f.name not in factored_names})
     return state
 
   def step(updates, state, params, *, fused=False, master=None, inv_scale=None, finite=None,

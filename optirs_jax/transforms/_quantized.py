@@ -30,6 +30,7 @@ import optax
 
 from optirs_jax.formats.blockwise import (
   Quantized8bit,
+  as_row_blocks,
   check_block_size,
   check_format,
   format_of,
@@ -97,9 +98,32 @@ def _encode(tree, plan, signed: bool) -> Quantized8bit:
   return Quantized8bit(jax.tree.unflatten(treedef, codes), jax.tree.unflatten(treedef, scales))
 
 
-def encode_fields(fn: str, state, fields, q: Quantization):
+class Fill:
+  """A field's leaf at init, not made yet: ``like`` (the param it is shaped, and placed,
+  as) and its dtype."""
+
+  def __init__(self, like, dtype):
+    self.like, self.dtype = like, dtype
+    self.shape, self.ndim, self.size = like.shape, like.ndim, like.size
+
+
+def _encode_constant(value, like, *, signed: bool, block_size: int, fmt: str) -> Quantized8bit:
+  """A leaf shaped (and placed) as ``like`` whose every element is ``value``, encoded: one
+  block encoded and its code and scale filled in. What encoding the whole leaf gives (every
+  block alike), without a float32 copy of the leaf or the encoder's temporaries."""
+  one = quantize_blockwise(jnp.full((block_size,), value, jnp.float32), signed=signed,
+                           block_size=block_size, state_quantization=fmt)
+  # The scales shaped and placed as the encoder's: each block's first element of the leaf.
+  first = as_row_blocks(jnp.zeros_like(like, dtype=jnp.bool_), block_size)[..., 0]
+  return Quantized8bit(jnp.full_like(like, one.codes[0], dtype=one.codes.dtype),
+                       jnp.full_like(first, one.absmax[0], dtype=one.absmax.dtype))
+
+
+def encode_fields(fn: str, state, fields, q: Quantization, values=None):
   """``state`` (fresh from init) with each field of ``fields`` quantized on its large float32
-  leaves."""
+  leaves. ``values``: by name, the constant a field holds, whose leaves in ``state`` may be
+  :class:`Fill` placeholders: the kept leaves are filled with it and the quantized ones
+  encoded from it (no float32 copy of the field is made)."""
   if q.block_size is None or q.min_size is None:
     raise ValueError(f"{fn}: quantization_block_size and min_quantized_size must be concrete "
                      "at init (under optax.inject_hyperparams pass them in static_args)")
@@ -110,6 +134,13 @@ def encode_fields(fn: str, state, fields, q: Quantization):
     if tree is None or f.per_leaf:
       continue
     plan = [(q.block_size, q.fmt) if eligible(x) else None for x in jax.tree.leaves(tree)]
+    if values is not None and f.name in values:
+      leaves, treedef = jax.tree.flatten(tree)
+      v = values[f.name]
+      tree = jax.tree.unflatten(treedef, [
+          jnp.full_like(x.like, v, dtype=x.dtype) if how is None else _encode_constant(
+              v, x.like, signed=not f.nonneg, block_size=how[0], fmt=how[1])
+          for x, how in zip(leaves, plan)])
     new[f.name] = _encode(tree, plan, signed=not f.nonneg)
   return state._replace(**new)
 
