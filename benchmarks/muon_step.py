@@ -2,11 +2,13 @@
 precision, and bfloat16 Newton–Schulz), with optax.adamw for scale, side by side on the
 local GPU; and the GPU's matrix-product peak in the same run.
 
-    PYTHONPATH=. python3 benchmarks/muon_step.py [--json out.json] [--steps N] [--scale S]
+    PYTHONPATH=. python3 benchmarks/muon_step.py [--json out.json] [--hlo DIR] [--steps N]
 
 Per configuration: one jitted step (update + apply_updates, params and state donated) on
 fixed gradients; first call (trace, compile, run), kernel time per step from the profiler
-(summed and busy), kernels per step, and the Newton–Schulz products' achieved TFLOP/s (their
+(summed and busy), kernels per step (the top 40 by time in the JSON, by the names of the
+compiled HLO's fusions, which ``--hlo`` saves per configuration), and the Newton–Schulz
+products' achieved TFLOP/s (their
 operations, ``optirs_jax.orthogonal.flops``, over the step's busy kernel time: a lower
 bound, the step's elementwise work counts against it). The peak: a square product of
 8192 in TF32 and in bfloat16 (``optirs_jax.planning.tensor_cores.gemm``), timed the same way.
@@ -15,6 +17,7 @@ bound, the step's elementwise work counts against it). The peak: a square produc
 import argparse
 import datetime
 import json
+import os
 import sys
 
 import jax
@@ -36,7 +39,7 @@ CONFIGS = {
 }
 
 
-def measure(tx, params, grads, steps):
+def measure(tx, params, grads, steps, hlo=None):
   def step(state):
     p, s = state
     u, s = tx.update(grads, s, p)
@@ -45,6 +48,9 @@ def measure(tx, params, grads, steps):
   jitted = jax.jit(step, donate_argnums=0)
   params = jax.tree.map(jnp.copy, params)  # each configuration donates its own
   state, first = timing.first_call(jitted, (params, tx.init(params)))
+  if hlo is not None:  # the compiled program whose fusions the profile names
+    with open(hlo, "w") as f:
+      f.write(jitted.lower(state).compile().as_text())
   for _ in range(3):
     state = jitted(state)
   prof, state = timing.profile_steps(jitted, state, steps, top=100_000)
@@ -70,6 +76,7 @@ def main(argv=None):
   p.add_argument("--layers", type=int, default=12)
   p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma list of {list(CONFIGS)}")
   p.add_argument("--json", default=None)
+  p.add_argument("--hlo", default=None, help="a folder: each configuration's compiled HLO")
   args = p.parse_args(argv)
   shapes = gpt2_small_shapes(d=args.scale, layers=args.layers)
   params, grads = make_tree(shapes, 0), make_tree(shapes, 1)
@@ -89,7 +96,11 @@ def main(argv=None):
   for name in args.configs.split(","):
     if name not in CONFIGS:
       sys.exit(f"unknown config {name!r}; valid: {list(CONFIGS)}")
-    first, prof = measure(CONFIGS[name](), params, grads, args.steps)
+    hlo = None
+    if args.hlo:
+      os.makedirs(args.hlo, exist_ok=True)
+      hlo = os.path.join(args.hlo, f"{name}.hlo.txt")
+    first, prof = measure(CONFIGS[name](), params, grads, args.steps, hlo)
     busy = prof["busy_s"]
     base = busy if name == "optax-muon" else base
     tflops = ns_flops / busy / 1e12 if busy and "muon" in name else None

@@ -126,7 +126,7 @@ if has bench; then
     2>"$OUT/bench.err" | tee "$OUT/bench.txt"
 fi
 if has muon; then
-  timeout ${MUON_TIMEOUT:-240} python3 benchmarks/muon_step.py ${MUON_ARGS:-} --json "$OUT/muon.json" \
+  timeout ${MUON_TIMEOUT:-240} python3 benchmarks/muon_step.py ${MUON_ARGS:-} --json "$OUT/muon.json" --hlo "$OUT/muon_hlo" \
     2>&1 | grep -v "^WARNING\|^I0000\|^E0000" | tee "$OUT/muon.txt"
 fi
 if has train; then
