@@ -152,21 +152,21 @@ def _batched_dot(a, b, axis: int):
                              preferred_element_type=jnp.result_type(a, b))
 
 
-def _polynomial(a, c, fold: bool):
-  """``c1 A + c2 A A`` in optax's order (``c2 * A`` formed before its product with ``A``),
-  or with ``fold`` ``c0 I + c1 A + c2 A A``: the step is then one product."""
+def _update(x, a, c, side, fold: bool):
+  """The step's new iterate from ``x`` and its (rescaled) Gram matrix ``a``:
+  ``c0 X + (c1 A + c2 A A) X`` in optax's order (``c2 * A`` formed before its product with
+  ``A``), or with ``fold`` the one product ``(c0 I + c1 A + c2 A A) X``, its factor
+  materialized first (a product fed by an elementwise prologue falls off cuBLAS)."""
   b = c[1] * a + c[2] * a @ a
-  if fold:
-    b = b + c[0] * jnp.eye(a.shape[-1], dtype=a.dtype)[None]
-  return b
+  if not fold:
+    return c[0] * x + side.apply(b, x)
+  b = b + c[0] * jnp.eye(a.shape[-1], dtype=a.dtype)[None]
+  return side.apply(jax.lax.optimization_barrier(b), x)
 
 
 def _step(x, c, side, fold):
   """One quintic step on a stack: ``c0 X + (c1 A + c2 A A) X`` with ``A = X X^H``."""
-  b = _polynomial(side.gram(x), c, fold)
-  if fold:  # materialized: a product fed by an elementwise prologue falls off cuBLAS
-    return side.apply(jax.lax.optimization_barrier(b), x)
-  return c[0] * x + side.apply(b, x)
+  return _update(x, side.gram(x), c, side, fold)
 
 
 def _aol_step(x, c, side, fold):
@@ -176,11 +176,7 @@ def _aol_step(x, c, side, fold):
   s = jax.lax.rsqrt(jnp.clip(jnp.abs(a).sum(axis=-2 if side.tall else -1),
                              min=_FIRST_STEP_EPS))
   s = _real_as(s, x)
-  x, a = side.scale(x, s), a * s[..., :, None] * s[..., None, :]
-  b = _polynomial(a, c, fold)
-  if fold:
-    return side.apply(jax.lax.optimization_barrier(b), x)
-  return c[0] * x + side.apply(b, x)
+  return _update(side.scale(x, s), a * s[..., :, None] * s[..., None, :], c, side, fold)
 
 
 def _schatten_step(x, c, side, fold):
@@ -188,11 +184,7 @@ def _schatten_step(x, c, side, fold):
   a = side.gram(x, conj=False)  # optax's: no conjugate
   norm = jnp.linalg.norm(a, ord="fro", axis=(-2, -1), keepdims=True)
   s = _real_as(jax.lax.rsqrt(jnp.clip(norm, min=_FIRST_STEP_EPS)), x)
-  x, a = x * s, a * s**2
-  b = _polynomial(a, c, fold)
-  if fold:
-    return side.apply(jax.lax.optimization_barrier(b), x)
-  return c[0] * x + side.apply(b, x)
+  return _update(x * s, a * s**2, c, side, fold)
 
 
 #: Stacks whose long side is above this are padded to a multiple of ``_PAD`` once, before
