@@ -5,7 +5,8 @@ Pallas program per ``tiling.block_rows`` quantization blocks reads the gradient,
 field's codes and block scales (and the params, where the rule reads them), decodes the
 fields, runs the optimizer's elementwise rule (the same op the float kernels run), and
 writes the update (or, on the fused apply, the new params) and each field's new codes and
-scales:
+scales (and, with master weights, reads the half-precision gradient and the float32 master
+and writes the master back in place):
 
 .. math::
   (u, s'_1, \dots, s'_n) = \mathrm{rule}(g, D(s_1), \dots, D(s_n), p), \qquad
