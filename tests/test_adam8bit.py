@@ -294,15 +294,18 @@ def test_codes_round_trip_and_edges_pick_the_nearest(signed):
 
 @pytest.mark.parametrize("bits", [7, 8])
 def test_the_encoder_picks_the_nearest_code_on_a_dense_grid_of_float32(bits):
-  """Over every 256th float32 in [0, 1], NaN, negatives, infinities, each map value and each
-  midpoint with their neighbours: the nearest code of numpy's sorted search (the smaller on
-  a tie; 0 for NaN and negatives)."""
+  """Over every 256th float32 in [0, 1], NaN, negatives, infinities, each map value, each
+  midpoint, each power of two from 2^-40 to 1 and the 255 steps of 1/256 of a binade after
+  it (where the coder's buckets start) with their neighbours: the nearest code of numpy's sorted
+  search (the smaller on a tie; 0 for NaN and negatives)."""
   from optirs_jax.formats.codes import encode_magnitude, magnitude_table
   table = np.asarray(magnitude_table(bits))
   mids = ((table[1:].astype(np.float64) + table[:-1]) / 2).astype(np.float32)
   grid = np.arange(0, np.float32(1).view(np.uint32) + 1, 256, dtype=np.uint32).view(np.float32)
-  a = np.concatenate([grid, table, mids] + [np.nextafter(x, d) for x in (table, mids)
-                                            for d in (0, 2)]
+  edges = (2.0 ** np.arange(-40, 1)[:, None] * (1 + np.arange(0, 1, 1 / 256))).ravel()
+  edges = edges.astype(np.float32)
+  a = np.concatenate([grid, table, mids, edges] + [np.nextafter(x, d) for x in (table, mids, edges)
+                                                   for d in (0, 2)]
                      + [[np.nan, -1.0, -0.0, np.inf, 2.0, 1e-38]]).astype(np.float32)
   clean = np.nan_to_num(np.where(a > 0, np.minimum(a, 1), 0), nan=0.0).astype(np.float32)
   m0 = np.searchsorted(table, clean, side="right") - 1
@@ -327,7 +330,7 @@ def test_every_lookup_of_the_encoder_is_indexed_by_the_data(bits):
       assert not hasattr(index, "val") and index in data, f"a gather at a constant index: {eqn}"
     if any(v in data for v in eqn.invars if not hasattr(v, "val")):  # (not a literal)
       data.update(eqn.outvars)
-  assert gathers >= bits  # the search's probes and the nearest of two
+  assert gathers == 2  # the bucket's code, then its threshold
 
 
 def test_inject_hyperparams_needs_no_static_args(standard_promotion):

@@ -226,7 +226,7 @@ def test_the_dynamic_map_encoder_in_a_triton_kernel_picks_the_nearest_code(bits)
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import triton as pltriton
 
-  from optirs_jax.formats.codes import encode_magnitude, magnitude_table
+  from optirs_jax.formats.codes import coder_table, encode_magnitude, magnitude_table
   table = np.asarray(magnitude_table(bits))
   mids = ((table[1:].astype(np.float64) + table[:-1]) / 2).astype(np.float32)
   probe = np.concatenate([table, mids] + [np.nextafter(x, d) for x in (table, mids)
@@ -241,9 +241,9 @@ def test_the_dynamic_map_encoder_in_a_triton_kernel_picks_the_nearest_code(bits)
   block = pl.BlockSpec((1024,), lambda i: (i,))
   codes = pl.pallas_call(
       body, out_shape=jax.ShapeDtypeStruct(a.shape, jnp.int32), grid=(len(a) // 1024,),
-      in_specs=[pl.BlockSpec(table.shape, lambda i: (0,)), block], out_specs=block,
-      compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
-  )(jnp.asarray(table), jnp.asarray(a))
+      in_specs=[pl.BlockSpec(coder_table(bits).shape, lambda i: (0,)), block],
+      out_specs=block, compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+  )(coder_table(bits), jnp.asarray(a))
   np.testing.assert_array_equal(np.asarray(codes), _nearest_codes(a, table))
 
 

@@ -122,8 +122,8 @@ def quantize_blocks(x: jax.Array, signed: bool, fmt: str = "dynamic8", table=Non
                     ) -> tuple[jax.Array, jax.Array]:
   """``(codes, absmax[..., None])`` of float32 blocks ``x`` (``[..., block_size]``):
   ``a = x / absmax``, then the nearest code of the signed or unsigned dynamic map (``table``:
-  the map's magnitudes, :func:`~optirs_jax.formats.codes.magnitude_table`, an array
-  or a kernel's ``Ref``; None builds it), or ``float8_e4m3fn(a * 448)`` (rounded to nearest
+  the map's :func:`~optirs_jax.formats.codes.coder_table`, an array or a kernel's ``Ref``;
+  None builds it), or ``float8_e4m3fn(a * 448)`` (rounded to nearest
   even)."""
   absmax = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
   safe = jnp.where(absmax > 0, absmax, jnp.float32(1.0))

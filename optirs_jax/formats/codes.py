@@ -16,11 +16,22 @@ second moment). Small magnitudes get fine steps, large ones coarse steps: the re
 is about the same everywhere.
 
 The map is defined by that arithmetic (:func:`decode_magnitude`); the coders use it as a
-table of its ``2^K`` magnitudes (:func:`magnitude_table`), which is how bitsandbytes runs it
-too: decoding is one lookup, encoding a binary search for the largest magnitude not above
-the value (``K`` lookups and compares), then the nearer of it and the next one (ties keep
-the smaller magnitude). The same jnp functions run in the reference (the table an array)
-and in the Pallas kernels (the table a ``Ref``, each lookup a gather from it).
+table (:func:`coder_table`). Decoding is one lookup of the code's magnitude, as
+bitsandbytes does it. Encoding picks the nearest magnitude (the smaller on a tie), which is
+bitsandbytes' binary search (``K`` dependent lookups) in two lookups instead. Between two
+neighbouring magnitudes ``t_c < t_{c+1}`` the test "``t_{c+1} - a < a - t_c``" (float32
+arithmetic, monotone in ``a``) turns true at one float32, the threshold ``θ_c``; so the code
+of ``a`` is the number of thresholds at most ``a``. The float32 range down to ``θ_0`` is cut
+into buckets by the exponent and the top mantissa bits of ``a`` (6 for the signed map, 7 for
+the unsigned one), so fine that no bucket holds more than one threshold; the table holds
+each bucket's code at its lower end. Then
+
+.. math::
+  \mathrm{code}(a) = b + [\theta_b \le a], \qquad b = \mathrm{bucket\_code}(\text{bits of } a),
+
+the same code as the search for every float32. The same jnp functions run in the reference
+(the table an array) and in the Pallas kernels (the table a ``Ref``, each lookup a gather
+from it).
 """
 
 from __future__ import annotations
@@ -57,6 +68,64 @@ def magnitude_table(bits: int) -> jax.Array:
   return jnp.asarray(_magnitudes(bits))
 
 
+_FINE_BITS = {SIGNED_BITS: 6, UNSIGNED_BITS: 7}  # mantissa bits of a bucket
+
+
+@functools.lru_cache
+def _thresholds(bits: int) -> np.ndarray:
+  """``θ_c``: the least float32 ``a`` in ``(t_c, t_{c+1}]`` where ``t_{c+1} - a < a - t_c``
+  in float32 (a bisection over the floats' bit patterns), then ``inf`` for the top code."""
+  t = _magnitudes(bits)
+  lo = t[:-1].view(np.int32).astype(np.int64)  # the test is false here ...
+  hi = t[1:].view(np.int32).astype(np.int64)   # ... and true here
+  while np.any(hi - lo > 1):
+    mid = (lo + hi) // 2
+    a = mid.astype(np.int32).view(np.float32)
+    up = (t[1:] - a) < (a - t[:-1])
+    lo, hi = np.where(up, lo, mid), np.where(up, mid, hi)
+  return np.append(hi.astype(np.int32).view(np.float32), np.float32(np.inf))
+
+
+@functools.lru_cache
+def _bucket_grid(bits: int) -> tuple[int, int, int]:
+  """``(fine, e_min, n)``: buckets of ``fine`` mantissa bits over the binades from
+  ``2^e_min`` (below ``θ_0``) up to 1, ``n`` of them with the one starting at 1."""
+  fine = _FINE_BITS[bits]
+  e_min = int(np.floor(np.log2(_thresholds(bits)[0])))
+  return fine, e_min, (-e_min << fine) + 1
+
+
+@functools.lru_cache
+def _bucket_codes(bits: int) -> np.ndarray:
+  """Each bucket's code at its lower end; checks that no bucket holds two thresholds."""
+  fine, e_min, n = _bucket_grid(bits)
+  theta = _thresholds(bits)[:-1]
+  first = np.arange(n + 1, dtype=np.int64) + ((127 + e_min) << fine)
+  lo = (first << (23 - fine)).astype(np.int32).view(np.float32)
+  codes = np.searchsorted(theta, lo, side="right")  # thresholds at most each lower end
+  inside = np.searchsorted(theta, lo[1:], side="left") - codes[:-1]
+  if lo[0] >= theta[0] or inside[:-1].max() > 1:
+    raise AssertionError(f"the {bits}-bit map's buckets are too coarse")
+  return codes[:-1].astype(np.float32)
+
+
+def coder_table(bits: int) -> jax.Array:
+  """The coders' constant table of the ``2^bits`` map: its magnitudes by code
+  (:func:`magnitude_table`), the thresholds ``θ_c`` (``inf`` after the last), then each
+  bucket's code, all float32 (``2^(bits+1)`` + 1409 values for the signed map, + 3329 for
+  the unsigned one).
+
+  >>> from optirs_jax.formats.codes import coder_table, encode_magnitude
+  >>> import jax.numpy as jnp
+  >>> coder_table(8).shape
+  (3841,)
+  >>> encode_magnitude(jnp.array([0.0, 5.5e-08, 1.0, 0.5]), 8).tolist()
+  [0, 1, 255, 248]
+  """
+  return jnp.asarray(np.concatenate([_magnitudes(bits), _thresholds(bits),
+                                     _bucket_codes(bits)]))
+
+
 def _lookup(table, idx: jax.Array) -> jax.Array:
   """``table[idx]``: a gather from an array, or a load from a kernel's ``Ref``; where the
   indices are sharded on an Explicit mesh, the values are sharded as they are."""
@@ -68,28 +137,23 @@ def _lookup(table, idx: jax.Array) -> jax.Array:
 
 
 def encode_magnitude(a: jax.Array, bits: int, table=None) -> jax.Array:
-  """The nearest magnitude code (``int32`` in ``[0, 2^bits)``) of ``a`` in [0, 1].
-
-  A binary search of ``table`` (:func:`magnitude_table`, or a Pallas ``Ref`` holding it)
-  finds ``m0``, the largest code whose magnitude is at most ``a``; of ``m0`` and ``m0 + 1``
-  the nearer wins, the smaller on a tie. ``a`` below 0 or NaN gives 0."""
-  table = magnitude_table(bits) if table is None else table
-  top = (1 << bits) - 1
+  """The nearest magnitude code (``int32`` in ``[0, 2^bits)``) of ``a`` in [0, 1]: of the
+  largest magnitude at most ``a`` and the next one, the nearer, the smaller on a tie; ``a``
+  below 0 or NaN gives 0, above 1 the top code. ``table``: :func:`coder_table` (or a
+  Pallas ``Ref`` holding it); two lookups, the second indexed by the first."""
+  table = coder_table(bits) if table is None else table
+  fine, e_min, n = _bucket_grid(bits)
   a = a.astype(jnp.float32)
-  # The first probe is one scalar, the same for every element: a lookup at a broadcast index
-  # would be a constant XLA folds into a leaf-sized literal (minutes of compile on a
-  # billion-parameter model).
-  half = 1 << (bits - 1)
-  m0 = jnp.where(table[half] <= a, half, 0).astype(jnp.int32)  # (sharded as a)
-  for step in (1 << t for t in reversed(range(bits - 1))):
-    cand = m0 + step
-    m0 = jnp.where(_lookup(table, cand) <= a, cand, m0)
-  m1 = jnp.minimum(m0 + 1, top)
-  return jnp.where(_lookup(table, m1) - a < a - _lookup(table, m0), m1, m0)
+  b = (jax.lax.bitcast_convert_type(a, jnp.int32) >> (23 - fine)) - ((127 + e_min) << fine)
+  b = jnp.where(a >= 0, jnp.clip(b, 0, n - 1), 0)  # (negatives and NaN: bucket 0, code 0)
+  code = _lookup(table, b + (2 << bits)).astype(jnp.int32)
+  above = _lookup(table, code + (1 << bits)) <= a
+  return jnp.minimum(code + above.astype(jnp.int32), (1 << bits) - 1)
 
 
 def encode_signed(x: jax.Array, table=None) -> jax.Array:
-  """``int8`` codes of ``x`` in [-1, 1] on the signed map (``table``: its magnitudes)."""
+  """``int8`` codes of ``x`` in [-1, 1] on the signed map (``table``: its
+  :func:`coder_table`)."""
   m = encode_magnitude(jnp.abs(x), SIGNED_BITS, table)
   return jnp.where(x < 0, -m, m).astype(jnp.int8)
 
@@ -102,7 +166,8 @@ def decode_signed(c: jax.Array, table=None) -> jax.Array:
 
 
 def encode_unsigned(x: jax.Array, table=None) -> jax.Array:
-  """``uint8`` codes of ``x`` in [0, 1] on the unsigned map (``table``: its magnitudes)."""
+  """``uint8`` codes of ``x`` in [0, 1] on the unsigned map (``table``: its
+  :func:`coder_table`)."""
   return encode_magnitude(x, UNSIGNED_BITS, table).astype(jnp.uint8)
 
 

@@ -54,7 +54,7 @@ def adam_math(h: Hyper, p, g, mu, nu, *, l2: bool, decoupled: bool, prologue=())
 def block_step(h: Hyper, p, g, muc, mua, nuc, nua, out_dtype, *, l2, decoupled, fused,
                fmt: str = "dynamic8", tables=(None, None), prologue=()):
   """Blocks in, blocks out: ``(out, mu codes, mu absmax, nu codes, nu absmax)``, the
-  moments requantized in ``fmt``; ``tables``: the signed and unsigned maps' magnitudes
+  moments requantized in ``fmt``; ``tables``: the signed and unsigned maps' coder tables
   (arrays or a kernel's refs; None builds them)."""
   p32 = p.astype(jnp.float32)
   st, ut = tables

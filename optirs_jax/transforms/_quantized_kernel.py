@@ -39,13 +39,11 @@ from optirs_jax.formats.blockwise import (
   from_row_blocks,
   quantize_blocks,
 )
-from optirs_jax.formats.codes import SIGNED_BITS, UNSIGNED_BITS, magnitude_table
+from optirs_jax.formats.codes import SIGNED_BITS, UNSIGNED_BITS, coder_table
 from optirs_jax.pallas import lazy_branches, sharding
 from optirs_jax.pallas.kernel import block_index, compiler_params
 from optirs_jax.pallas.op import NHP, ElementwiseOp, block_math, hyper_vector, read_hyper
 from optirs_jax.pallas.options import Tiling
-
-_TABLES = (1 << SIGNED_BITS, 1 << UNSIGNED_BITS)  # the maps' lengths, after the NHP scalars
 
 
 def rows_per_program(num_blocks: int, most: int) -> int:
@@ -56,15 +54,15 @@ def rows_per_program(num_blocks: int, most: int) -> int:
 
 def with_tables(hvec: jax.Array) -> jax.Array:
   """A step's vector: its ``NHP`` scalars, then the signed and unsigned dynamic maps'
-  magnitudes (constants carried in the one operand every call takes, so a partitioned
-  call captures no constant)."""
-  return jnp.concatenate([hvec[:NHP], magnitude_table(SIGNED_BITS),
-                          magnitude_table(UNSIGNED_BITS)])
+  coder tables (:func:`~optirs_jax.formats.codes.coder_table`: constants carried in the
+  one operand every call takes, so a partitioned call captures no constant)."""
+  return jnp.concatenate([hvec[:NHP], coder_table(SIGNED_BITS), coder_table(UNSIGNED_BITS)])
 
 
 def tables_of(hvec) -> tuple[jax.Array, jax.Array]:
-  """``(signed map, unsigned map)`` of a :func:`with_tables` vector."""
-  return hvec[NHP:NHP + _TABLES[0]], hvec[NHP + _TABLES[0]:NHP + sum(_TABLES)]
+  """``(signed map, unsigned map)`` coder tables of a :func:`with_tables` vector."""
+  n = coder_table(SIGNED_BITS).shape[0]
+  return hvec[NHP:NHP + n], hvec[NHP + n:NHP + n + coder_table(UNSIGNED_BITS).shape[0]]
 
 
 def block_step(op: ElementwiseOp, h, g, fields, extras, out_dtypes, *,
@@ -73,8 +71,8 @@ def block_step(op: ElementwiseOp, h, g, fields, extras, out_dtypes, *,
   ``fields``: each field's ``(codes [..., block], absmax [..., 1])``; ``out_dtypes``: the
   first output's dtype, then those of the outputs after the fields (the float32 master
   copy, in master mode); ``signed``: per field, whether it is stored on the signed map;
-  ``tables``: the signed and unsigned maps' magnitudes (arrays or a kernel's refs; None
-  builds them)."""
+  ``tables``: the signed and unsigned maps' coder tables (arrays or a kernel's refs;
+  None builds them)."""
   table = lambda s: tables[0] if s else tables[1]
   n = len(fields)
   decoded = [dequantize_blocks(c, a, table(s)) for (c, a), s in zip(fields, signed)]
