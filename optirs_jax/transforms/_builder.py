@@ -291,13 +291,10 @@ def build(spec: OptimizerSpec,
     floats = [(g[i], *(jax.ShapeDtypeStruct(g[i].shape, jnp.float32) for _ in names),
                *extras[i]) for i in idx]
     out_dtypes = [(d[0], *d[1 + len(names):]) for d in output_dtypes(op, h, floats)]
-    # the extra whose buffer takes the first output: the params (half ones with a master)
-    alias_out = next((i - 1 - len(names) for i, o in op.aliases
-                      if o == 0 and i > len(names)), None)
     results = _quantized_kernel.execute(
         op, h, [(g[i], *in_kernel[i], *extras[i]) for i in idx], n_fields=len(names),
         signed=[not f.nonneg for f in fields], out_dtypes=out_dtypes, cuda=platforms[0],
-        other=platforms[1], tiling=executor_options.quantized_tiling, alias_out=alias_out)
+        other=platforms[1], tiling=executor_options.quantized_tiling)
     for i, r in zip(idx, results):
       outs[i] = r
 

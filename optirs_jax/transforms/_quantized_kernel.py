@@ -110,11 +110,11 @@ def _body(h_ref, *refs, op: ElementwiseOp, n_fields: int, n_extras: int, signed,
 
 
 def _rows(op, hvec, g, fields, extras, out_dtypes, *, signed, fmt, platform: str,
-          tiling: Tiling, alias_out: int | None):
+          tiling: Tiling):
   """One leaf's kernel on ``[blocks, block_size]`` views (``fields``' scales
-  ``[blocks, 1]``): ``(out, [(codes, absmax) per field], [tail outputs])``. ``alias_out``:
-  the position among ``extras`` whose buffer the output takes (the params, on the fused
-  apply); the tail outputs take the buffers of the extras the op aliases them to."""
+  ``[blocks, 1]``): ``(out, [(codes, absmax) per field], [tail outputs])``. The outputs
+  take the buffers of the extras the op aliases them to (of one dtype): the first output
+  the params' on the fused apply, a tail output the master copy's."""
   n = len(fields)
   flat_fields = [x for f in fields for x in f]
   tables = tables_of(hvec) if fmt == "dynamic8" else ()
@@ -136,11 +136,11 @@ def _rows(op, hvec, g, fields, extras, out_dtypes, *, signed, fmt, platform: str
   # Operand positions count the vector first: g 1, the fields' codes and scales, extras;
   # outputs: the first, the fields' codes and scales, the tail.
   aliases = {2 + j: 1 + j for j in range(2 * n)}
-  if alias_out is not None and extras[alias_out].dtype == out_dtype:
-    aliases[2 + 2 * n + alias_out] = 0
-  for i, o in op.aliases:  # an extra the op writes back as a tail output (the master)
-    if i > n and o > n and extras[i - n - 1].dtype == tail_dtypes[o - n - 1]:
-      aliases[2 + 2 * n + i - n - 1] = 1 + 2 * n + o - n - 1
+  for i, o in op.aliases:  # op positions: inputs (g, *fields, *extras), outputs (u, *fields,
+    if i > n and (o == 0 or o > n):  # *tail)
+      out = 0 if o == 0 else o + n
+      if extras[i - n - 1].dtype == out_shape[out].dtype:
+        aliases[1 + n + i] = out
   results = pl.pallas_call(
       functools.partial(_body, op=op, n_fields=n, n_extras=len(extras), signed=tuple(signed),
                         fmt=fmt, n_tables=len(tables)),
@@ -194,7 +194,7 @@ def _whole(op, hvec, g, fields, extras, out_dtypes, *, signed, fmt, block_size: 
 
 
 def _local(hvec, leaves, *, op, n_fields, signed, fmt, block_size, out_dtypes, platform,
-           tiling, alias_out):
+           tiling):
   """Leaves ``(g, codes, scales, ... per field, *extras)`` on this device's shards: per leaf
   ``(out, codes, scales, ... per field)``. A kernel where the (local) last axis is a whole
   number of blocks and a kernel platform runs; the jnp math on the whole leaf elsewhere."""
@@ -215,8 +215,7 @@ def _local(hvec, leaves, *, op, n_fields, signed, fmt, block_size, out_dtypes, p
       out, new, tail = _rows(op, hvec, rows(g),
                              [(rows(c), a.reshape(-1, 1)) for c, a in fields],
                              [rows(x) for x in extras], (dts[0], *dts[1 + 2 * n_fields:]),
-                             signed=signed, fmt=fmt, platform=where, tiling=tiling,
-                             alias_out=alias_out)
+                             signed=signed, fmt=fmt, platform=where, tiling=tiling)
       out = out.reshape(g.shape)
       new = [(c.reshape(g.shape), a.reshape(f[1].shape)) for (c, a), f in zip(new, fields)]
       tail = [x.reshape(g.shape) for x in tail]
@@ -226,7 +225,7 @@ def _local(hvec, leaves, *, op, n_fields, signed, fmt, block_size, out_dtypes, p
 
 def execute(op: ElementwiseOp, h, leaves: Sequence[tuple], *, n_fields: int,
             signed: Sequence[bool], out_dtypes: Sequence, cuda: bool, other: str,
-            tiling: Tiling, alias_out: int | None = None) -> list[tuple]:
+            tiling: Tiling) -> list[tuple]:
   """Runs ``op`` on leaves whose ``n_fields`` rule fields are :class:`Quantized8bit`.
 
   Args:
@@ -240,7 +239,6 @@ def execute(op: ElementwiseOp, h, leaves: Sequence[tuple], *, n_fields: int,
     cuda: whether to trace the Triton kernel (for a step lowered for an NVIDIA GPU).
     other: how other platforms run it: ``"jnp"`` or ``"interpret"`` (Pallas' interpreter).
     tiling: quantization blocks per program and the Triton launch settings.
-    alias_out: the position among the extras whose buffer the first output may take.
 
   Returns:
     Per leaf ``(out, Quantized8bit per field, *tail)``.
@@ -262,7 +260,7 @@ def execute(op: ElementwiseOp, h, leaves: Sequence[tuple], *, n_fields: int,
                 *out_dtypes[i][1:]) for i in idx]
         local = functools.partial(_local, op=op, n_fields=n_fields, signed=tuple(signed),
                                   fmt=fmt, block_size=bs, out_dtypes=dts, platform=platform,
-                                  tiling=tiling, alias_out=alias_out)
+                                  tiling=tiling)
         outs, _ = sharding.run_local(local, hvec, [flat[i] for i in idx], dts, 0,
                                      blocked=sharding.Blocked(bs, scales_in, scales_in))
         for j, i in enumerate(idx):
