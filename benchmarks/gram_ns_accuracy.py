@@ -9,8 +9,10 @@ its Gram matrix, so ``X_k = Q_k X_0`` with ``Q_k`` a polynomial of ``A_0 = X_0 X
 products instead of three per step. Printed: the relative Frobenius error against the
 standard chain in float32 of the standard chain in bfloat16 (``ns_dtype=jnp.bfloat16``)
 and of the Gram form with every product in float32, with ``A_0`` in bfloat16, and with
-``A_0`` in float32 and only the last product in bfloat16; on Gaussian matrices and on ones
-with singular values decaying as ``k^-1.5`` (ill-conditioned, as momenta are).
+``A_0`` in float32 and only the last product in bfloat16, and that with the ``m x m``
+iteration's products on TF32 inputs (what a GPU's default float32 precision does); on
+Gaussian matrices and on ones with singular values decaying as ``k^-1.5``
+(ill-conditioned, as momenta are).
 """
 
 import jax
@@ -29,17 +31,27 @@ def standard(x, dtype):
   return x.astype(jnp.float32)
 
 
-def gram(x, first, last):
-  """The Gram form: ``A_0`` from ``x`` in ``first``, the ``m x m`` iteration in float32,
-  the last product ``Q_5 X_0`` in ``last``."""
+def tf32(x):
+  """``x`` rounded to TF32's 10 mantissa bits (nearest, ties to even): a tensor core's
+  float32 product rounds its inputs so (jax's default precision on an NVIDIA GPU)."""
+  i = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+  i = (i + 0xFFF + ((i >> 13) & 1)) & jnp.uint32(0xFFFFE000)
+  return jax.lax.bitcast_convert_type(i, jnp.float32)
+
+
+def gram(x, first, last, iterate=lambda a: a):
+  """The Gram form: ``A_0`` from ``x`` in ``first``, the ``m x m`` iteration in float32
+  (each product's inputs through ``iterate``: :func:`tf32` for TF32 tensor cores), the last
+  product ``Q_5 X_0`` in ``last``."""
   x = x / (jnp.linalg.norm(x) + 1e-8)
   eye = jnp.eye(x.shape[0], dtype=jnp.float32)
   xf = x.astype(first)
   a0 = (xf @ xf.T).astype(jnp.float32)
   q = eye
+  mm = lambda a, b: iterate(a) @ iterate(b)
   for _ in range(5):
-    a = q @ a0 @ q
-    q = (C0 * eye + C1 * a + C2 * a @ a) @ q
+    a = mm(mm(q, a0), q)
+    q = mm(C0 * eye + C1 * a + C2 * mm(a, a), q)
   return (q.astype(last) @ x.astype(last)).astype(jnp.float32)
 
 
@@ -47,7 +59,7 @@ def main():
   rel = lambda a, b: float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
   f32, bf16 = jnp.float32, jnp.bfloat16
   print(f"{'matrix':<22}{'bf16 chain':>11}{'gram f32':>10}{'gram A0 bf16':>14}"
-        f"{'gram last bf16':>16}")
+        f"{'gram last bf16':>16}{'+ iterate TF32':>16}")
   for m, n in [(128, 512), (128, 8192), (256, 16384)]:
     for kind in ("gaussian", "decaying"):
       x = jax.random.normal(jax.random.PRNGKey(m + n), (m, n))
@@ -57,7 +69,8 @@ def main():
       ref = standard(x, f32)
       print(f"{f'{m}x{n} {kind}':<22}{rel(standard(x, bf16), ref):11.4f}"
             f"{rel(gram(x, f32, f32), ref):10.1e}{rel(gram(x, bf16, bf16), ref):14.4f}"
-            f"{rel(gram(x, f32, bf16), ref):16.4f}", flush=True)
+            f"{rel(gram(x, f32, bf16), ref):16.4f}"
+            f"{rel(gram(x, f32, bf16, tf32), ref):16.4f}", flush=True)
 
 
 if __name__ == "__main__":
