@@ -125,6 +125,9 @@ def test_the_largest_model_search_runs_each_attempt_in_a_process(tmp_path):
       nnx.state(model, nnx.Param)))
   assert [(a["layers"], a["fits"]) for a in r["attempts"]] == [(2, True), (3, True)]
   assert {a["memory_fraction"] for a in r["attempts"]} == {"0.5"}  # JAX's share, passed on
+  # the batch it ran (activations decide the peak as much as the optimizer does)
+  assert {(a["batch"], a["context"]) for a in r["attempts"]} == {(2, 64)}
+  assert "2x64" in proc.stdout
   # Each phase timed (the first step holds the trace and the compile).
   for a in r["attempts"]:
     assert a["first_step_s"] > a["second_step_s"] > 0 and a["build_s"] > 0, a

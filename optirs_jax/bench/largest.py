@@ -84,6 +84,7 @@ def probe(args) -> dict:
     jax.block_until_ready(value)
     phase(name, "second step" if k == 0 else None)
   stats = jax.devices()[0].memory_stats() or {}
-  return {"config": args.one, "layers": layers, "width": width,
-          "parameters": run.parameters, "peak_bytes": stats.get("peak_bytes_in_use"),
+  return {"config": args.one, "layers": layers, "width": width, "batch": args.batch,
+          "context": context, "parameters": run.parameters,
+          "peak_bytes": stats.get("peak_bytes_in_use"),
           "memory_fraction": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"), **seconds}

@@ -277,15 +277,17 @@ def _largest(args, name: str, argv) -> dict:
 
 
 def largest_table(results: dict) -> str:
-  rows = [f"{'config':<18} {'layers x width':>15} {'parameters':>14} {'peak GiB':>9}"]
+  rows = [f"{'config':<18} {'layers x width':>15} {'parameters':>14} {'peak GiB':>9} "
+          f"{'batch x context':>16}"]
   for name, r in results.items():
     b = r["largest"]
     if b is None:
       rows.append(f"{name:<18} {'none fits':>15}")
       continue
     peak = "-" if b["peak_bytes"] is None else f"{b['peak_bytes'] / 2**30:.2f}"
+    shape = f"{b.get('batch', '?')}x{b.get('context', '?')}"  # (older results lack them)
     rows.append(f"{name:<18} {str(b['layers']) + 'x' + str(b['width']):>15} "
-                f"{b['parameters']:>14,} {peak:>9}")
+                f"{b['parameters']:>14,} {peak:>9} {shape:>16}")
   return "\n".join(rows)
 
 
