@@ -120,7 +120,7 @@ def coder_table(bits: int) -> jax.Array:
   >>> coder_table(8).shape
   (3841,)
   >>> encode_magnitude(jnp.array([0.0, 5.5e-08, 1.0, 0.5]), 8).tolist()
-  [0, 1, 255, 248]
+  [0, 1, 255, 184]
   """
   return jnp.asarray(np.concatenate([_magnitudes(bits), _thresholds(bits),
                                      _bucket_codes(bits)]))
