@@ -122,8 +122,17 @@ def coder_table(bits: int) -> jax.Array:
   >>> encode_magnitude(jnp.array([0.0, 5.5e-08, 1.0, 0.5]), 8).tolist()
   [0, 1, 255, 184]
   """
-  return jnp.asarray(np.concatenate([_magnitudes(bits), _thresholds(bits),
-                                     _bucket_codes(bits)]))
+  return jnp.asarray(_coder_values(bits))
+
+
+@functools.lru_cache
+def _coder_values(bits: int) -> np.ndarray:
+  return np.concatenate([_magnitudes(bits), _thresholds(bits), _bucket_codes(bits)])
+
+
+def coder_table_size(bits: int) -> int:
+  """The length of :func:`coder_table` (no array built)."""
+  return len(_coder_values(bits))
 
 
 def _lookup(table, idx: jax.Array) -> jax.Array:

@@ -39,7 +39,7 @@ from optirs_jax.formats.blockwise import (
   from_row_blocks,
   quantize_blocks,
 )
-from optirs_jax.formats.codes import SIGNED_BITS, UNSIGNED_BITS, coder_table
+from optirs_jax.formats.codes import SIGNED_BITS, UNSIGNED_BITS, coder_table, coder_table_size
 from optirs_jax.pallas import lazy_branches, sharding
 from optirs_jax.pallas.kernel import block_index, compiler_params
 from optirs_jax.pallas.op import NHP, ElementwiseOp, block_math, hyper_vector, read_hyper
@@ -61,8 +61,8 @@ def with_tables(hvec: jax.Array) -> jax.Array:
 
 def tables_of(hvec) -> tuple[jax.Array, jax.Array]:
   """``(signed map, unsigned map)`` coder tables of a :func:`with_tables` vector."""
-  n = coder_table(SIGNED_BITS).shape[0]
-  return hvec[NHP:NHP + n], hvec[NHP + n:NHP + n + coder_table(UNSIGNED_BITS).shape[0]]
+  n, m = coder_table_size(SIGNED_BITS), coder_table_size(UNSIGNED_BITS)
+  return hvec[NHP:NHP + n], hvec[NHP + n:NHP + n + m]
 
 
 def block_step(op: ElementwiseOp, h, g, fields, extras, out_dtypes, *,
@@ -136,8 +136,10 @@ def _rows(op, hvec, g, fields, extras, out_dtypes, *, signed, fmt, platform: str
   # Operand positions count the vector first: g 1, the fields' codes and scales, extras;
   # outputs: the first, the fields' codes and scales, the tail.
   aliases = {2 + j: 1 + j for j in range(2 * n)}
-  for i, o in op.aliases:  # op positions: inputs (g, *fields, *extras), outputs (u, *fields,
-    if i > n and (o == 0 or o > n):  # *tail)
+  # The op's own positions: inputs (g, *fields, *extras), outputs (u, *fields, *tail); an
+  # extra aliased to u or to a tail output gives the kernel's output its buffer.
+  for i, o in op.aliases:
+    if i > n and (o == 0 or o > n):
       out = 0 if o == 0 else o + n
       if extras[i - n - 1].dtype == out_shape[out].dtype:
         aliases[1 + n + i] = out
