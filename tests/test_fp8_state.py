@@ -141,10 +141,13 @@ def test_an_mlp_trains_as_with_float32_state(standard_promotion):
       u, s = tx.update(jax.grad(loss)(p), s, p)
       return optax.apply_updates(p, u), s
 
-    for _ in range(300):
+    # 200 steps: the loss falls 1800-fold (1.89 to about 1e-3). By 300 both are near 3e-5,
+    # where the state's 8-bit rounding sets the floor and the gap (9% with XLA's default
+    # CPU compiles, 11% with tests/conftest.py's quick ones) is that floor's, not training's.
+    for _ in range(200):
       p, s = step(p, s)
     finals[name] = float(loss(p))
-  assert finals["fp8"] < 0.1 * float(loss(params))  # it learned
+  assert finals["fp8"] < 0.01 * float(loss(params))  # it learned
   assert abs(finals["fp8"] - finals["f32"]) <= 0.1 * finals["f32"], finals
 
 

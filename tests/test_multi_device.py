@@ -19,7 +19,10 @@ SHARDS = 4  # children, each every 4th case: pytest-xdist's workers share them o
 def test_multi_device_cases_on_8_cpu_devices(shard):
   # Without the plugins the suite does not use: with pytest-xdist and pytest-benchmark
   # installed (the GPU machine), the child stopped at startup with an INTERNALERROR.
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+  # This process's XLA flags (tests/conftest.py's quick compiles) with 8 devices.
+  flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "",
+                 os.environ.get("XLA_FLAGS", ""))
+  env = dict(os.environ, XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count=8",
              JAX_PLATFORMS="cpu", OPTIRS_TEST_SHARD=f"{shard}/{SHARDS}")
   proc = subprocess.run(
       [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
