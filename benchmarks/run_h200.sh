@@ -5,7 +5,8 @@
 # Steps: env (versions), gemm (benchmarks/gemm_tflops.py), occupancy
 # (benchmarks/occupancy_vs_driver.py), policy (benchmarks/policy_variants.sh), sharded
 # (benchmarks/sharded_overhead.py), grouped (benchmarks/grouped_tiling.py $GROUPED_ARGS),
-# finite (benchmarks/finite_tiling.py $FINITE_ARGS), breakdown
+# finite (benchmarks/finite_tiling.py $FINITE_ARGS), qtiling (benchmarks/quantized_tiling.py
+# $QTILING_ARGS), breakdown
 # (benchmarks/kernel_breakdown.py for each "tree:optimizer:impl" of $BREAKDOWN), firstcall (benchmarks/first_call.py, one process
 # per "tree:optimizer:impl" of $FIRST_CALLS, $FIRST_CALL_REPS rounds, each round once per
 # package folder of $FIRST_CALL_PATHS, e.g. ". old" with an older checkout's optirs_jax in
@@ -53,6 +54,10 @@ fi
 if has grouped; then
   timeout ${GROUPED_TIMEOUT:-200} python3 benchmarks/grouped_tiling.py ${GROUPED_ARGS:-} 2>&1 \
     | tee -a "$OUT/grouped.txt"
+fi
+if has qtiling; then
+  timeout ${QTILING_TIMEOUT:-300} python3 benchmarks/quantized_tiling.py ${QTILING_ARGS:-} 2>&1 \
+    | grep -v "^WARNING\|^I0000\|^E0000" | tee -a "$OUT/qtiling.txt"
 fi
 if has finite; then
   timeout ${FINITE_TIMEOUT:-150} python3 benchmarks/finite_tiling.py ${FINITE_ARGS:-} 2>&1 \

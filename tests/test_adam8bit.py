@@ -377,3 +377,31 @@ def test_state_is_two_trees_of_plain_arrays():
   assert all(isinstance(x, jax.Array) for x in jax.tree.leaves(state))
   deq = state.mu.dequantize()  # the tree of values, float32 leaves as they are
   assert deq["w"].shape == (8, 256) and deq["b"] is state.mu.codes["b"]
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="interpret mode runs the reference's "
+                    "XLA ops; the Triton kernel is compared in tests/test_gpu.py")
+@pytest.mark.parametrize("fmt", ["dynamic8", "fp8"])
+@pytest.mark.parametrize("make", ["adamw8bit", "adamw"])
+def test_several_blocks_per_program_give_the_reference_state(make, fmt):
+  """Four quantization blocks a program (19 rows: four programs and a tail of three in jnp),
+  in 8-bit AdamW's kernel and in the spec builder's: the kernel's state is the reference's,
+  its params the reference's to float32 rounding."""
+  rng = np.random.default_rng(5)
+  params = {"w": jnp.asarray(rng.standard_normal((19, 256)), jnp.float32)}
+  grads = {"w": jnp.asarray(rng.standard_normal((19, 256)), jnp.float32)}
+  out = {}
+  for backend in ("jnp", "pallas"):
+    opts = optirs_jax.ExecutorOptions(quantized_tiling=optirs_jax.Tiling(block_rows=4))
+    tx = (adamw8bit(1e-2, min_8bit_size=512, state_quantization=fmt, backend=backend,
+                    executor_options=opts) if make == "adamw8bit" else
+          optirs_jax.adamw(1e-2, min_quantized_size=512, state_quantization=fmt,
+                           backend=backend, executor_options=opts))
+    step = jax.jit(lambda p, s, g, tx=tx: optirs_jax.apply(tx, g, s, p))
+    p, s = step(params, tx.init(params), grads)
+    out[backend] = step(p, s, grads)
+  # Params near 1 computed as p + (-lr) * x, contracted to an fma or not: to their rounding.
+  chex.assert_trees_all_close(out["jnp"][0], out["pallas"][0], rtol=1e-6, atol=2e-7)
+  for field in ("mu", "nu"):
+    assert_quantized_close(_moment(out["jnp"][1], field, "w"),
+                           _moment(out["pallas"][1], field, "w"), step_rtol=0.15)

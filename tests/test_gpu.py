@@ -152,15 +152,20 @@ def _three_steps_on_kernels_and_reference(make):
   return out["auto"], out["jnp"], text
 
 
-@pytest.mark.parametrize("name", ["adam8bit", "adamw8bit"])
-def test_8bit_triton_kernel_matches_reference(name):
-  """The kernel's log10 and fused multiply-adds may round a value at a code boundary the
-  other way: codes agree almost everywhere, and where not, by one step."""
+@pytest.mark.parametrize("rows", [1, 4])
+@pytest.mark.parametrize("name", ["adam8bit", "adamw8bit", "lion"])
+def test_8bit_triton_kernel_matches_reference(name, rows):
+  """Fused multiply-adds may round a value at a code boundary the other way: codes agree
+  almost everywhere, and where not, by one step; with one or four quantization blocks a
+  program (8-bit Adam's kernel, and Lion's through the spec builder's)."""
+  opts = optirs_jax.ExecutorOptions(quantized_tiling=optirs_jax.Tiling(block_rows=rows))
+  kw = {"state_quantization": "dynamic8"} if name == "lion" else {}
   (p_gpu, s_gpu), (p_ref, s_ref), text = _three_steps_on_kernels_and_reference(
-      lambda backend: getattr(optirs_jax, name)(1e-3, backend=backend))
+      lambda backend: getattr(optirs_jax, name)(1e-3, **kw, backend=backend,
+                                                executor_options=opts))
   assert "triton" in text.lower()
-  chex.assert_trees_all_close(p_gpu, p_ref, rtol=1e-5, atol=1e-6)
-  for field in ("mu", "nu"):
+  chex.assert_trees_all_close(p_gpu, p_ref, rtol=1e-5, atol=2e-3 if name == "lion" else 1e-6)
+  for field in (("mu",) if name == "lion" else ("mu", "nu")):
     a, b = getattr(s_gpu, field), getattr(s_ref, field)  # Quantized8bit trees
     values_a, values_b = a.dequantize(), b.dequantize()
     for k in ("emb", "aligned", "w"):

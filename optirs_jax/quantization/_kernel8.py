@@ -73,10 +73,14 @@ def _body(h_ref, p_ref, g_ref, muc_ref, mua_ref, nuc_ref, nua_ref, *refs, **kw):
   tables = refs[:2] if len(refs) == 7 else (None, None)
   o_ref, muc_o, mua_o, nuc_o, nua_o = refs[-5:]
   h = read_hyper(h_ref, hyper_names(kw["prologue"]))
-  outs = block_step(h, p_ref[...], g_ref[...], muc_ref[...], mua_ref[...], nuc_ref[...],
-                    nua_ref[...], o_ref.dtype, tables=tables, **kw)
-  for ref, x in zip((o_ref, muc_o, mua_o, nuc_o, nua_o), outs):
-    ref[...] = x
+  # One quantization block at a time, every row's loads first (as in
+  # optirs_jax.transforms._quantized_kernel: a 2-D tile's reductions are slower in Triton).
+  ins = (p_ref, g_ref, muc_ref, mua_ref, nuc_ref, nua_ref)
+  loaded = [[ref[pl.ds(r, 1), :] for ref in ins] for r in range(p_ref.shape[0])]
+  for r, args in enumerate(loaded):
+    outs = block_step(h, *args, o_ref.dtype, tables=tables, **kw)
+    for ref, x in zip((o_ref, muc_o, mua_o, nuc_o, nua_o), outs):
+      ref[pl.ds(r, 1), :] = x
 
 
 def leaf_step(hvec, p2, g2, muc, mua, nuc, nua, out_dtype, *, platform: str, l2: bool,
