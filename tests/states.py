@@ -70,3 +70,12 @@ def assert_quantized_close(a, b, step_rtol: float) -> None:
     assert same.mean() > 0.999, same.mean()
   for x, y in zip(jax.tree.leaves(a.dequantize()), jax.tree.leaves(b.dequantize())):
     np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=step_rtol, atol=1e-12)
+
+
+def nearest_codes(a, table):
+  """bitsandbytes' encoding rule in numpy: of the largest value of the sorted map ``table``
+  at most ``a`` (in [0, 1]) and the next one, the nearer, the smaller on a tie."""
+  import numpy as np
+  m0 = np.searchsorted(table, a, side="right") - 1
+  m1 = np.minimum(m0 + 1, len(table) - 1)
+  return np.where(table[m1] - a < a - table[m0], m1, m0)

@@ -16,7 +16,7 @@ from optirs_jax.quantization import (
   quantize_blockwise,
   state_nbytes,
 )
-from tests.states import assert_quantized_close
+from tests.states import assert_quantized_close, nearest_codes
 
 
 def _np_map(signed: bool) -> np.ndarray:
@@ -308,9 +308,7 @@ def test_the_encoder_picks_the_nearest_code_on_a_dense_grid_of_float32(bits):
                                                    for d in (0, 2)]
                      + [[np.nan, -1.0, -0.0, np.inf, 2.0, 1e-38]]).astype(np.float32)
   clean = np.nan_to_num(np.where(a > 0, np.minimum(a, 1), 0), nan=0.0).astype(np.float32)
-  m0 = np.searchsorted(table, clean, side="right") - 1
-  m1 = np.minimum(m0 + 1, len(table) - 1)
-  want = np.where(table[m1] - clean < clean - table[m0], m1, m0)
+  want = nearest_codes(clean, table)
   got = jax.jit(encode_magnitude, static_argnums=1)(jnp.asarray(a), bits)
   np.testing.assert_array_equal(np.asarray(got), want)
 

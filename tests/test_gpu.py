@@ -17,6 +17,7 @@ import pytest
 import optirs_jax
 from optirs_jax.transforms import REGISTRY
 from tests import cases
+from tests.states import nearest_codes
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     jax.default_backend() != "gpu", reason="needs a CUDA GPU; on CPU the kernels are "
@@ -217,13 +218,6 @@ def test_a_clipped_chain_on_the_kernels_equals_the_reference():
   chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-7)
 
 
-def _nearest_codes(a: np.ndarray, table: np.ndarray) -> np.ndarray:
-  """numpy's nearest code of each ``a`` in [0, 1] on a sorted map (the smaller on a tie)."""
-  m0 = np.searchsorted(table, a, side="right") - 1
-  m1 = np.minimum(m0 + 1, len(table) - 1)
-  return np.where(table[m1] - a < a - table[m0], m1, m0)
-
-
 @pytest.mark.parametrize("bits", [7, 8])
 def test_the_dynamic_map_encoder_in_a_triton_kernel_picks_the_nearest_code(bits):
   """Compiled by Triton (gathers from the table's ``Ref``), over every 64th float32 in
@@ -249,7 +243,7 @@ def test_the_dynamic_map_encoder_in_a_triton_kernel_picks_the_nearest_code(bits)
       in_specs=[pl.BlockSpec(coder_table(bits).shape, lambda i: (0,)), block],
       out_specs=block, compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
   )(coder_table(bits), jnp.asarray(a))
-  np.testing.assert_array_equal(np.asarray(codes), _nearest_codes(a, table))
+  np.testing.assert_array_equal(np.asarray(codes), nearest_codes(a, table))
 
 
 @pytest.mark.parametrize("name, kw", [("lion", {}), ("sgd", {"momentum": 0.9}),
