@@ -3,8 +3,11 @@ apply for each ``quantized_tiling`` (quantization blocks per program, warps), wi
 AdamW and Lion in the same process for scale.
 
     PYTHONPATH=. python3 benchmarks/quantized_tiling.py [blocks per program] [warps] [cases]
+        [coders]
 
-Each argument is a comma list (defaults ``1,2,4``, ``1,2,4`` and every case). The cases:
+Each argument is a comma list (defaults ``1,2,4``, ``1,2,4``, every case and ``table``;
+the coders are ``ExecutorOptions.dynamic_map_coder``'s, the same codes either way). The
+cases:
 ``adamw8bit`` in both formats (8-bit Adam's own kernel), ``adamw`` and ``lion`` with
 ``state_quantization="dynamic8"`` (the spec builder's quantized kernel). Kernel time from
 the profiler (:func:`optirs_jax.bench.timing.profile_steps`), 10 steps after 3 of warm-up;
@@ -52,21 +55,25 @@ def main(argv):
   rows = [int(x) for x in (argv[1] if len(argv) > 1 else "1,2,4").split(",")]
   warps = [int(x) for x in (argv[2] if len(argv) > 2 else "1,2,4").split(",")]
   names = argv[3].split(",") if len(argv) > 3 else list(CASES)
+  coders = argv[4].split(",") if len(argv) > 4 else ["table"]
   n = sum(x.size for x in jax.tree.leaves(make_tree(gpt2_small_shapes(), 0)))
   copy = timing.copy_bandwidth(1 << 27, warmup=3, batches=3, steps=10)
   print(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}: GPT-2 small ({n} "
         f"parameters), fused apply, kernel ms per step; copy {copy / 1e9:.0f} GB/s")
-  print(f"{'case':<20}{'blocks':>7}{'warps':>6}{'kernel ms':>11}{'% copy':>8}")
-  line = lambda name, r, w, ms, b: print(
-      f"{name:<20}{r:>7}{w:>6}{ms:>11.3f}{100 * n * b / (ms * 1e-3) / copy:>8.1f}", flush=True)
+  print(f"{'case':<20}{'coder':>18}{'blocks':>7}{'warps':>6}{'kernel ms':>11}{'% copy':>8}")
+  line = lambda name, c, r, w, ms, b: print(
+      f"{name:<20}{c:>18}{r:>7}{w:>6}{ms:>11.3f}{100 * n * b / (ms * 1e-3) / copy:>8.1f}",
+      flush=True)
   for name, (make, b) in FLOAT32.items():
-    line(name, "-", "-", kernel_ms(make, ExecutorOptions()), b)
+    line(name, "-", "-", "-", kernel_ms(make, ExecutorOptions()), b)
   for name in names:
     make, b = CASES[name]
-    for r in rows:
-      for w in warps:
-        options = ExecutorOptions(quantized_tiling=Tiling(block_rows=r, num_warps=w))
-        line(name, r, w, kernel_ms(make, options), b)
+    for c in coders if "dynamic8" in name else ["table"]:
+      for r in rows:
+        for w in warps:
+          options = ExecutorOptions(quantized_tiling=Tiling(block_rows=r, num_warps=w),
+                                    dynamic_map_coder=c)
+          line(name, c, r, w, kernel_ms(make, options), b)
 
 
 if __name__ == "__main__":

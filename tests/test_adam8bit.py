@@ -292,8 +292,24 @@ def test_codes_round_trip_and_edges_pick_the_nearest(signed):
   np.testing.assert_array_equal(ours[:len(mags)], mags)
 
 
+@pytest.mark.parametrize("coder", ["table", "arithmetic-decode", "arithmetic"])
 @pytest.mark.parametrize("bits", [7, 8])
-def test_the_encoder_picks_the_nearest_code_on_a_dense_grid_of_float32(bits):
+def test_every_coder_decodes_each_code_to_the_maps_float64_value_rounded_once(bits, coder):
+  """The map's formula in float64 (the paper's dynamic tree), rounded to float32 once: what
+  every coder gives for every code, by lookup or by its decade constants."""
+  from optirs_jax.formats.codes import decode_magnitude
+  m = np.arange(1 << bits)
+  k = np.maximum(np.floor(np.log2(np.maximum(m, 1))), 0)
+  want = 10.0 ** -(bits - 1 - k) * (0.1 + 0.9 * (m - 2**k + 0.5) / 2**k)
+  want[0], want[-1] = 0.0, 1.0
+  got = jax.jit(decode_magnitude, static_argnums=(1, 3))(jnp.arange(1 << bits), bits, None,
+                                                         coder)
+  np.testing.assert_array_equal(np.asarray(got), want.astype(np.float32))
+
+
+@pytest.mark.parametrize("coder", ["table", "arithmetic"])
+@pytest.mark.parametrize("bits", [7, 8])
+def test_the_encoder_picks_the_nearest_code_on_a_dense_grid_of_float32(bits, coder):
   """Over every 256th float32 in [0, 1], NaN, negatives, infinities, each map value, each
   midpoint, each power of two from 2^-40 to 1 and the 255 steps of 1/256 of a binade after
   it (where the coder's buckets start) with their neighbours: the nearest code of numpy's sorted
@@ -309,7 +325,7 @@ def test_the_encoder_picks_the_nearest_code_on_a_dense_grid_of_float32(bits):
                      + [[np.nan, -1.0, -0.0, np.inf, 2.0, 1e-38]]).astype(np.float32)
   clean = np.nan_to_num(np.where(a > 0, np.minimum(a, 1), 0), nan=0.0).astype(np.float32)
   want = nearest_codes(clean, table)
-  got = jax.jit(encode_magnitude, static_argnums=1)(jnp.asarray(a), bits)
+  got = jax.jit(encode_magnitude, static_argnums=(1, 3))(jnp.asarray(a), bits, None, coder)
   np.testing.assert_array_equal(np.asarray(got), want)
 
 
@@ -403,3 +419,30 @@ def test_several_blocks_per_program_give_the_reference_state(make, fmt):
   for field in ("mu", "nu"):
     assert_quantized_close(_moment(out["jnp"][1], field, "w"),
                            _moment(out["pallas"][1], field, "w"), step_rtol=0.15)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="interpret mode runs the reference's "
+                    "XLA ops; the Triton kernel is compared in tests/test_gpu.py")
+@pytest.mark.parametrize("coder", ["arithmetic-decode", "arithmetic"])
+@pytest.mark.parametrize("make", ["adamw8bit", "lion"])
+def test_every_coder_gives_the_table_coders_numbers_in_the_kernels(make, coder):
+  """The coders compute what the table holds: three fused steps through the kernels
+  (interpret mode) give the table coder's params and states bit for bit."""
+  rng = np.random.default_rng(6)
+  params = {"w": jnp.asarray(rng.standard_normal((12, 256)), jnp.float32),
+            "e": jnp.asarray(rng.standard_normal((5, 512)) * 1e-3, jnp.float32)}
+  grads = jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape), jnp.float32),
+                       params)
+  out = {}
+  for c in ("table", coder):
+    opts = optirs_jax.ExecutorOptions(dynamic_map_coder=c)
+    tx = (adamw8bit(1e-2, min_8bit_size=512, backend="pallas", executor_options=opts)
+          if make == "adamw8bit" else
+          optirs_jax.lion(1e-3, state_quantization="dynamic8", min_quantized_size=512,
+                          backend="pallas", executor_options=opts))
+    step = jax.jit(lambda p, s, g, tx=tx: optirs_jax.apply(tx, g, s, p))
+    p, s = params, tx.init(params)
+    for _ in range(3):
+      p, s = step(p, s, grads)
+    out[c] = (p, s)
+  chex.assert_trees_all_equal(out["table"], out[coder])

@@ -147,6 +147,19 @@ def test_8bit_adam_kernels_compile_for_an_h200_in_both_formats(h200, fmt):
   assert ("f8e4m3fn" in text) == (fmt == "fp8")
 
 
+@pytest.mark.parametrize("coder", ["arithmetic-decode", "arithmetic"])
+def test_8bit_kernels_compile_with_each_coder_for_an_h200(h200, coder):
+  # The decade constants' coders: a float's exponent bits, shifts and two products per
+  # magnitude in the Triton kernel, four blocks a program.
+  opts = optirs_jax.ExecutorOptions(dynamic_map_coder=coder,
+                                    quantized_tiling=optirs_jax.Tiling(block_rows=4))
+  opt = optirs_jax.adamw8bit(1e-3, min_8bit_size=0, executor_options=opts)
+  params = {"w": jnp.zeros((64, 512))}
+  text = _compile(lambda p, s, g: optirs_jax.apply(opt, g, s, p), params,
+                  opt.init(params), params)
+  assert TRITON in text
+
+
 @pytest.mark.parametrize("name, kw", [("lion", {}), ("sgd", {"momentum": 0.9}),
                                       ("rmsprop", {"centered": True})])
 @pytest.mark.parametrize("fmt", ["dynamic8", "fp8"])

@@ -20,6 +20,8 @@ from tests.test_lowering import cuda_triton_calls
     ({"grouped_max_buffers": 5000}, ValueError, r"5000 must be an int from 1 to 4000 \(32 KB"),
     ({"grouped_min_block_bytes": -1}, ValueError, "grouped_min_block_bytes=-1 must be an int >= 0"),
     ({"grouped_min_block_bytes": True}, ValueError, "grouped_min_block_bytes=True must be an int"),
+    ({"dynamic_map_coder": "search"}, ValueError,
+     r"dynamic_map_coder='search' is not one of \('table', 'arithmetic-decode', 'arithmetic'\)"),
 ])
 def test_bad_options_are_rejected_when_made(kwargs, error, match):
   with pytest.raises(error, match=match):

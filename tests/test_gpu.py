@@ -218,8 +218,9 @@ def test_a_clipped_chain_on_the_kernels_equals_the_reference():
   chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("coder", ["table", "arithmetic"])
 @pytest.mark.parametrize("bits", [7, 8])
-def test_the_dynamic_map_encoder_in_a_triton_kernel_picks_the_nearest_code(bits):
+def test_the_dynamic_map_encoder_in_a_triton_kernel_picks_the_nearest_code(bits, coder):
   """Compiled by Triton (gathers from the table's ``Ref``), over every 64th float32 in
   [0, 1] and each map value and midpoint with their neighbours: the nearest code."""
   from jax.experimental import pallas as pl
@@ -235,7 +236,7 @@ def test_the_dynamic_map_encoder_in_a_triton_kernel_picks_the_nearest_code(bits)
   a = np.concatenate([a, np.zeros(-len(a) % 1024, np.float32)])
 
   def body(t_ref, a_ref, o_ref):
-    o_ref[...] = encode_magnitude(a_ref[...], bits, t_ref)
+    o_ref[...] = encode_magnitude(a_ref[...], bits, t_ref, coder)
 
   block = pl.BlockSpec((1024,), lambda i: (i,))
   codes = pl.pallas_call(
@@ -244,6 +245,17 @@ def test_the_dynamic_map_encoder_in_a_triton_kernel_picks_the_nearest_code(bits)
       out_specs=block, compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
   )(coder_table(bits), jnp.asarray(a))
   np.testing.assert_array_equal(np.asarray(codes), nearest_codes(a, table))
+
+
+@pytest.mark.parametrize("coder", ["arithmetic-decode", "arithmetic"])
+def test_every_coder_gives_the_table_coders_numbers_in_the_triton_kernels(coder):
+  """The coders compute what the table holds: the same params and states, bit for bit."""
+  make = lambda c: lambda backend: optirs_jax.adamw8bit(
+      1e-3, backend=backend, executor_options=optirs_jax.ExecutorOptions(dynamic_map_coder=c))
+  (p_table, s_table), _, _ = _three_steps_on_kernels_and_reference(make("table"))
+  (p_coder, s_coder), _, text = _three_steps_on_kernels_and_reference(make(coder))
+  assert "triton" in text.lower()
+  chex.assert_trees_all_equal((p_table, s_table), (p_coder, s_coder))
 
 
 @pytest.mark.parametrize("name, kw", [("lion", {}), ("sgd", {"momentum": 0.9}),

@@ -118,31 +118,33 @@ def from_row_blocks(blocks: jax.Array, shape: tuple[int, ...]) -> jax.Array:
   return flat if flat.shape[-1] == shape[-1] else flat[..., :shape[-1]]
 
 
-def quantize_blocks(x: jax.Array, signed: bool, fmt: str = "dynamic8", table=None
-                    ) -> tuple[jax.Array, jax.Array]:
+def quantize_blocks(x: jax.Array, signed: bool, fmt: str = "dynamic8", table=None,
+                    coder: str = "table") -> tuple[jax.Array, jax.Array]:
   """``(codes, absmax[..., None])`` of float32 blocks ``x`` (``[..., block_size]``):
   ``a = x / absmax``, then the nearest code of the signed or unsigned dynamic map (``table``:
   the map's :func:`~optirs_jax.formats.codes.coder_table`, an array or a kernel's ``Ref``;
-  None builds it), or ``float8_e4m3fn(a * 448)`` (rounded to nearest
-  even)."""
+  None builds it; ``coder``: how the coder reads it, :data:`~optirs_jax.formats.codes.
+  CODERS`), or ``float8_e4m3fn(a * 448)`` (rounded to nearest even)."""
   absmax = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
   safe = jnp.where(absmax > 0, absmax, jnp.float32(1.0))
   a = x / safe
   if fmt == "fp8":
     return (a * jnp.float32(FP8_MAX)).astype(FP8), absmax
-  codes = _codes.encode_signed(a, table) if signed else _codes.encode_unsigned(a, table)
+  encode = _codes.encode_signed if signed else _codes.encode_unsigned
+  codes = encode(a, table, coder)
   return codes, absmax
 
 
-def dequantize_blocks(codes: jax.Array, absmax: jax.Array, table=None) -> jax.Array:
+def dequantize_blocks(codes: jax.Array, absmax: jax.Array, table=None,
+                      coder: str = "table") -> jax.Array:
   """float32 values of ``codes`` (``[..., block_size]``) with ``absmax`` (``[..., 1]``);
-  ``table`` as :func:`quantize_blocks`'s."""
+  ``table`` and ``coder`` as :func:`quantize_blocks`'s."""
   if codes.dtype == FP8:  # a product, not a division: compilers keep it as written
     mag = codes.astype(jnp.float32) * jnp.float32(1 / FP8_MAX)
   elif codes.dtype == jnp.int8:
-    mag = _codes.decode_signed(codes, table)
+    mag = _codes.decode_signed(codes, table, coder)
   else:
-    mag = _codes.decode_unsigned(codes, table)
+    mag = _codes.decode_unsigned(codes, table, coder)
   return mag * absmax
 
 

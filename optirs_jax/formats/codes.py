@@ -32,6 +32,16 @@ each bucket's code at its lower end. Then
 the same code as the search for every float32. The same jnp functions run in the reference
 (the table an array) and in the Pallas kernels (the table a ``Ref``, each lookup a gather
 from it).
+
+The coders can also compute what they look up (``coder``, :data:`CODERS`; the same codes
+and values either way, a question of speed only). With ``k`` the highest bit of ``m`` the
+magnitude is ``C_k N``, ``N = 18 m - 16 \cdot 2^k + 9`` an integer below ``2^12`` and
+``C_k = 10^{-(K-k)} / 2^{k+1}``; split as ``hi_k + lo_k``, ``hi_k`` its 12 leading bits,
+``hi_k N`` is exact and ``hi_k N + lo_k N`` rounds once, to the table's float32 for every
+code of both maps, whether or not a compiler fuses it into an fma. ``"arithmetic-decode"``
+decodes so (two loads from ``K`` pairs of constants instead of one from ``2^K``
+magnitudes); ``"arithmetic"`` also tests the threshold as its definition does,
+``t_{b+1} - a < a - t_b`` on the two magnitudes decoded so, instead of loading ``θ_b``.
 """
 
 from __future__ import annotations
@@ -42,8 +52,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from optirs_jax.pallas.options import DYNAMIC_MAP_CODERS
+
 SIGNED_BITS = 7  # magnitude bits of the signed map (one more bit is the sign)
 UNSIGNED_BITS = 8
+CODERS = DYNAMIC_MAP_CODERS  # how the coders read their table (ExecutorOptions)
 
 
 @functools.lru_cache
@@ -109,16 +122,27 @@ def _bucket_codes(bits: int) -> np.ndarray:
   return codes[:-1].astype(np.float32)
 
 
+@functools.lru_cache
+def _decades(bits: int) -> np.ndarray:
+  """Per decade ``k``, ``C_k = 10^-(K-k) / 2^(k+1)`` as ``hi_k + lo_k``, ``hi_k`` its 12
+  leading bits: the ``K`` values of ``hi``, then the ``K`` of ``lo`` (float32)."""
+  k = np.arange(bits)
+  c = 10.0 ** -(bits - k) / 2.0 ** (k + 1)
+  step = 2.0 ** (np.floor(np.log2(c)) - 11)
+  hi = np.round(c / step) * step
+  return np.concatenate([hi, c - hi]).astype(np.float32)
+
+
 def coder_table(bits: int) -> jax.Array:
   """The coders' constant table of the ``2^bits`` map: its magnitudes by code
-  (:func:`magnitude_table`), the thresholds ``θ_c`` (``inf`` after the last), then each
-  bucket's code, all float32 (``2^(bits+1)`` + 1409 values for the signed map, + 3329 for
-  the unsigned one).
+  (:func:`magnitude_table`), the thresholds ``θ_c`` (``inf`` after the last), each
+  bucket's code, then the decades' constants ``hi_k`` and ``lo_k``, all float32
+  (``2^(bits+1)`` + 1423 values for the signed map, + 3345 for the unsigned one).
 
   >>> from optirs_jax.formats.codes import coder_table, encode_magnitude
   >>> import jax.numpy as jnp
   >>> coder_table(8).shape
-  (3841,)
+  (3857,)
   >>> encode_magnitude(jnp.array([0.0, 5.5e-08, 1.0, 0.5]), 8).tolist()
   [0, 1, 255, 184]
   """
@@ -127,7 +151,8 @@ def coder_table(bits: int) -> jax.Array:
 
 @functools.lru_cache
 def _coder_values(bits: int) -> np.ndarray:
-  return np.concatenate([_magnitudes(bits), _thresholds(bits), _bucket_codes(bits)])
+  return np.concatenate([_magnitudes(bits), _thresholds(bits), _bucket_codes(bits),
+                         _decades(bits)])
 
 
 def coder_table_size(bits: int) -> int:
@@ -145,44 +170,81 @@ def _lookup(table, idx: jax.Array) -> jax.Array:
   return table[idx]
 
 
-def encode_magnitude(a: jax.Array, bits: int, table=None) -> jax.Array:
+def decode_magnitude(m: jax.Array, bits: int, table=None, coder: str = "table") -> jax.Array:
+  """The magnitude of code ``m`` (``int32`` in ``[0, 2^bits)``): one lookup in the
+  magnitudes, or (``coder`` not ``"table"``) ``hi_k N + lo_k N`` from the decades'
+  constants. ``table``: :func:`coder_table` or a ``Ref`` holding it.
+
+  >>> from optirs_jax.formats.codes import decode_magnitude, magnitude_table
+  >>> import jax.numpy as jnp
+  >>> m = jnp.arange(256)
+  >>> bool((decode_magnitude(m, 8, coder="arithmetic") == magnitude_table(8)).all())
+  True
+  """
+  table = coder_table(bits) if table is None else table
+  if coder == "table":
+    return _lookup(table, m)
+  top = (1 << bits) - 1
+  base = (2 << bits) + _bucket_grid(bits)[2]  # the decades' constants
+  k = (jax.lax.bitcast_convert_type(m.astype(jnp.float32), jnp.int32) >> 23) - 127
+  k = jnp.clip(k, 0, bits - 1)  # the highest set bit (m = 0 gives 0 below)
+  n = (18 * m - 16 * jnp.left_shift(jnp.int32(1), k) + 9).astype(jnp.float32)
+  mag = _lookup(table, base + k) * n + _lookup(table, base + bits + k) * n
+  return jnp.where(m == 0, jnp.float32(0), jnp.where(m == top, jnp.float32(1), mag))
+
+
+def encode_magnitude(a: jax.Array, bits: int, table=None, coder: str = "table") -> jax.Array:
   """The nearest magnitude code (``int32`` in ``[0, 2^bits)``) of ``a`` in [0, 1]: of the
   largest magnitude at most ``a`` and the next one, the nearer, the smaller on a tie; ``a``
   below 0 or NaN gives 0, above 1 the top code. ``table``: :func:`coder_table` (or a
-  Pallas ``Ref`` holding it); two lookups, the second indexed by the first."""
+  Pallas ``Ref`` holding it); two lookups, the second indexed by the first (with
+  ``coder="arithmetic"``, the bucket's code, then the threshold's test on two magnitudes
+  decoded by arithmetic)."""
   table = coder_table(bits) if table is None else table
   fine, e_min, n = _bucket_grid(bits)
+  top = (1 << bits) - 1
   a = a.astype(jnp.float32)
   b = (jax.lax.bitcast_convert_type(a, jnp.int32) >> (23 - fine)) - ((127 + e_min) << fine)
   b = jnp.where(a >= 0, jnp.clip(b, 0, n - 1), 0)  # (negatives and NaN: bucket 0, code 0)
   code = _lookup(table, b + (2 << bits)).astype(jnp.int32)
+  if coder == "arithmetic":
+    low = decode_magnitude(code, bits, table, coder)
+    high = decode_magnitude(jnp.minimum(code + 1, top), bits, table, coder)
+    above = (high - a < a - low) & (code < top)
+    return code + above.astype(jnp.int32)
   above = _lookup(table, code + (1 << bits)) <= a
-  return jnp.minimum(code + above.astype(jnp.int32), (1 << bits) - 1)
+  return jnp.minimum(code + above.astype(jnp.int32), top)
 
 
-def encode_signed(x: jax.Array, table=None) -> jax.Array:
+def encode_signed(x: jax.Array, table=None, coder: str = "table") -> jax.Array:
   """``int8`` codes of ``x`` in [-1, 1] on the signed map (``table``: its
   :func:`coder_table`)."""
-  m = encode_magnitude(jnp.abs(x), SIGNED_BITS, table)
+  m = encode_magnitude(jnp.abs(x), SIGNED_BITS, table, coder)
   return jnp.where(x < 0, -m, m).astype(jnp.int8)
 
 
-def decode_signed(c: jax.Array, table=None) -> jax.Array:
-  table = magnitude_table(SIGNED_BITS) if table is None else table
+def decode_signed(c: jax.Array, table=None, coder: str = "table") -> jax.Array:
+  """The values of ``int8`` codes on the signed map (``table``: its :func:`coder_table`,
+  or with ``coder="table"`` its :func:`magnitude_table`)."""
+  if table is None:
+    table = magnitude_table(SIGNED_BITS) if coder == "table" else coder_table(SIGNED_BITS)
   c = c.astype(jnp.int32)
-  mag = _lookup(table, jnp.abs(c))
+  mag = decode_magnitude(jnp.abs(c), SIGNED_BITS, table, coder)
   return jnp.where(c < 0, -mag, mag)
 
 
-def encode_unsigned(x: jax.Array, table=None) -> jax.Array:
+def encode_unsigned(x: jax.Array, table=None, coder: str = "table") -> jax.Array:
   """``uint8`` codes of ``x`` in [0, 1] on the unsigned map (``table``: its
   :func:`coder_table`)."""
-  return encode_magnitude(x, UNSIGNED_BITS, table).astype(jnp.uint8)
+  return encode_magnitude(x, UNSIGNED_BITS, table, coder).astype(jnp.uint8)
 
 
-def decode_unsigned(c: jax.Array, table=None) -> jax.Array:
-  table = magnitude_table(UNSIGNED_BITS) if table is None else table
-  return _lookup(table, c.astype(jnp.int32))
+def decode_unsigned(c: jax.Array, table=None, coder: str = "table") -> jax.Array:
+  """The values of ``uint8`` codes on the unsigned map (``table`` as
+  :func:`decode_signed`'s)."""
+  if table is None:
+    table = magnitude_table(UNSIGNED_BITS) if coder == "table" else coder_table(UNSIGNED_BITS)
+  return decode_magnitude(c.astype(jnp.int32), UNSIGNED_BITS, table, coder)
 
 
 def code_map(signed: bool) -> np.ndarray:

@@ -31,6 +31,9 @@ KERNEL_PLATFORMS = ("cuda", "mosaic_gpu", "tpu", "interpret")
 # Which Pallas lowering runs the GPU's kernels: Triton, or Mosaic GPU for the elementwise
 # ops it takes (no per-leaf norms or element indices; those stay on Triton).
 GPU_KERNELS = ("triton", "mosaic_gpu")
+# How the 8-bit kernels' coders of the dynamic map read their table
+# (optirs_jax.formats.codes: lookups, or decade constants and arithmetic).
+DYNAMIC_MAP_CODERS = ("table", "arithmetic-decode", "arithmetic")
 MOSAIC_GPU_MAX_BLOCK_ROWS = 256  # Mosaic GPU: at most 256 elements per block dimension
 # Mosaic GPU lowers sqrt (Adam, RMSprop) from jax 0.11 on.
 MOSAIC_GPU_MIN_JAX = (0, 11)
@@ -130,7 +133,15 @@ class ExecutorOptions:
       quantization block), and the Triton launch settings (1 block, 1 warp: fastest of
       1-4 blocks x 1-4 warps for both state formats on an H100 with the table-driven codes,
       benchmarks/NOTES.md "Run 46"; 2 warps were fastest of 2-8 with the arithmetic codes on
-      an H200, "Runs 8-9").
+      an H200, "Runs 8-9"; 4 blocks a program were slower again in run 70).
+    dynamic_map_coder: how the 8-bit kernels' coders of the dynamic map read their constant
+      table (:data:`DYNAMIC_MAP_CODERS`; the same codes and values either
+      way): ``"table"``, a magnitude by one lookup in ``2^K`` values and a code by a
+      bucket's and a threshold's lookups; ``"arithmetic-decode"``, magnitudes computed from
+      ``K`` pairs of decade constants; ``"arithmetic"``, the threshold's test too on two
+      magnitudes so computed (:mod:`optirs_jax.formats.codes`). The table is the fastest
+      on an H100: GPT-2 small's ``adamw8bit`` 0.952, 1.049 and 1.378 ms, the kernels being
+      bound by their operations, not their loads (benchmarks/NOTES.md, run 70).
   """
 
   small_leaf_policy: str = "group"
@@ -144,6 +155,7 @@ class ExecutorOptions:
   grouped_max_buffers: int = 1512
   grouped_min_block_bytes: int = 4096
   quantized_tiling: Tiling = Tiling(block_rows=1, num_warps=1)
+  dynamic_map_coder: str = "table"
   gpu_kernels: str = "triton"
   mosaic_gpu_tiling: Tiling = Tiling(block_rows=32, num_stages=2)
 
@@ -167,6 +179,9 @@ class ExecutorOptions:
                        "int >= 0")
     if not isinstance(self.updates_on_reference, bool):
       raise TypeError(f"updates_on_reference={self.updates_on_reference!r} must be a bool")
+    if self.dynamic_map_coder not in DYNAMIC_MAP_CODERS:
+      raise ValueError(f"dynamic_map_coder={self.dynamic_map_coder!r} is not one of "
+                       f"{DYNAMIC_MAP_CODERS}")
     if self.gpu_kernels not in GPU_KERNELS:
       raise ValueError(f"gpu_kernels={self.gpu_kernels!r} is not one of {GPU_KERNELS}")
     if self.gpu_kernels == "mosaic_gpu" and jax.__version_info__ < MOSAIC_GPU_MIN_JAX:

@@ -115,7 +115,7 @@ def _scales_like(x, block_size: int) -> jax.Array:
 
 
 def _quantized_local(hvec, leaves, *, block_sizes, platform, l2, decoupled, fused, tiling,
-                     out_dtypes, fmt, prologue):
+                     out_dtypes, fmt, prologue, coder):
   """8-bit leaves ``(p, g, mu codes, mu scales, nu codes, nu scales)`` on this device's
   shards: ``(out, mu codes, mu scales, nu codes, nu scales)`` each. A kernel where the
   (local) last axis is a whole number of blocks and a kernel platform runs; the jnp math on
@@ -123,7 +123,7 @@ def _quantized_local(hvec, leaves, *, block_sizes, platform, l2, decoupled, fuse
   outs = []
   h = read_hyper(hvec, _kernel8.hyper_names(prologue))
   for (p, g, muc, mua, nuc, nua), bs, dts in zip(leaves, block_sizes, out_dtypes):
-    kw = dict(l2=l2, decoupled=decoupled, fused=fused, fmt=fmt, prologue=prologue)
+    kw = dict(l2=l2, decoupled=decoupled, fused=fused, fmt=fmt, prologue=prologue, coder=coder)
     if platform != "jnp" and p.shape[-1] % bs == 0:
       res = _kernel8.leaf_step(hvec, p.reshape(-1, bs), g.reshape(-1, bs),
                                muc.reshape(-1, bs), mua.reshape(-1, 1), nuc.reshape(-1, bs),
@@ -145,7 +145,8 @@ def _quantized_local(hvec, leaves, *, block_sizes, platform, l2, decoupled, fuse
 _SCALES_IN, _SCALES_OUT = (3, 5), (2, 4)
 
 
-def _step_leaves(hvec, leaves, *, platform, l2, decoupled, fused, tiling, prologue=()):
+def _step_leaves(hvec, leaves, *, platform, l2, decoupled, fused, tiling, prologue=(),
+                 coder="table"):
   """Every leaf's ``(updates or new params, new mu, new nu)``: float32 moments by the jnp
   math; 8-bit ones on each device's shards (:func:`_quantized_local`)."""
   results: list = [None] * len(leaves)
@@ -171,7 +172,7 @@ def _step_leaves(hvec, leaves, *, platform, l2, decoupled, fused, tiling, prolog
                   for p, g, *_ in operands]
     local = functools.partial(_quantized_local, block_sizes=[bs] * len(idx), platform=platform,
                               l2=l2, decoupled=decoupled, fused=fused, tiling=tiling,
-                              out_dtypes=out_dtypes, fmt=fmt, prologue=prologue)
+                              out_dtypes=out_dtypes, fmt=fmt, prologue=prologue, coder=coder)
     outs, _ = sharding.run_local(local, hvec, operands, out_dtypes, 0,
                                  blocked=sharding.Blocked(bs, _SCALES_IN, _SCALES_OUT))
     for i, (out, mc, ma, nc, na) in zip(idx, outs):
@@ -223,7 +224,8 @@ def _make(fn: str, learning_rate_, b1, b2, eps, weight_decay, block_size, min_8b
   check_number_or_schedule(fn, "weight_decay", weight_decay)
   backend = check_backend(fn, backend)
   fmt = check_format(fn, fmt)
-  tiling = check_executor_options(fn, executor_options).quantized_tiling
+  options = check_executor_options(fn, executor_options)
+  tiling, coder = options.quantized_tiling, options.dynamic_map_coder
   # Structural: checked when concrete. The step reads the layout from the state, so a
   # value optax.inject_hyperparams traces there is never needed.
   concrete = lambda v: v is None or not isinstance(v, jax.core.Tracer)
@@ -268,7 +270,7 @@ def _make(fn: str, learning_rate_, b1, b2, eps, weight_decay, block_size, min_8b
         dict(b1=b1, c1=1 - b1, b2=b2, c2=1 - b2, eps=eps, bc1=1 - b1**t, bc2=1 - b2**t, wd=wd,
              neg_lr=neg_lr, **links), _kernel8.hyper_names(kinds)))
     kw = dict(l2=has_wd and not decoupled, decoupled=has_wd and decoupled, fused=fused,
-              tiling=tiling, prologue=kinds)
+              tiling=tiling, prologue=kinds, coder=coder)
 
     def run(platform):  # a branch of the arrays it is given (it may run at lowering time)
       def go(args):

@@ -52,18 +52,18 @@ def adam_math(h: Hyper, p, g, mu, nu, *, l2: bool, decoupled: bool, prologue=())
 
 
 def block_step(h: Hyper, p, g, muc, mua, nuc, nua, out_dtype, *, l2, decoupled, fused,
-               fmt: str = "dynamic8", tables=(None, None), prologue=()):
+               fmt: str = "dynamic8", tables=(None, None), prologue=(), coder="table"):
   """Blocks in, blocks out: ``(out, mu codes, mu absmax, nu codes, nu absmax)``, the
   moments requantized in ``fmt``; ``tables``: the signed and unsigned maps' coder tables
-  (arrays or a kernel's refs; None builds them)."""
+  (arrays or a kernel's refs; None builds them); ``coder``: how the coders read them."""
   p32 = p.astype(jnp.float32)
   st, ut = tables
-  u, mu, nu = adam_math(h, p32, g, dequantize_blocks(muc, mua, st),
-                        dequantize_blocks(nuc, nua, ut), l2=l2, decoupled=decoupled,
+  u, mu, nu = adam_math(h, p32, g, dequantize_blocks(muc, mua, st, coder),
+                        dequantize_blocks(nuc, nua, ut, coder), l2=l2, decoupled=decoupled,
                         prologue=prologue)
   out = (p32 + u) if fused else u
-  muc, mua = quantize_blocks(mu, signed=True, fmt=fmt, table=st)
-  nuc, nua = quantize_blocks(nu, signed=False, fmt=fmt, table=ut)
+  muc, mua = quantize_blocks(mu, signed=True, fmt=fmt, table=st, coder=coder)
+  nuc, nua = quantize_blocks(nu, signed=False, fmt=fmt, table=ut, coder=coder)
   return out.astype(out_dtype), muc, mua, nuc, nua
 
 
@@ -73,24 +73,21 @@ def _body(h_ref, p_ref, g_ref, muc_ref, mua_ref, nuc_ref, nua_ref, *refs, **kw):
   tables = refs[:2] if len(refs) == 7 else (None, None)
   o_ref, muc_o, mua_o, nuc_o, nua_o = refs[-5:]
   h = read_hyper(h_ref, hyper_names(kw["prologue"]))
-  # One quantization block at a time, every row's loads first (as in
-  # optirs_jax.transforms._quantized_kernel: a 2-D tile's reductions are slower in Triton).
-  ins = (p_ref, g_ref, muc_ref, mua_ref, nuc_ref, nua_ref)
-  loaded = [[ref[pl.ds(r, 1), :] for ref in ins] for r in range(p_ref.shape[0])]
-  for r, args in enumerate(loaded):
-    outs = block_step(h, *args, o_ref.dtype, tables=tables, **kw)
-    for ref, x in zip((o_ref, muc_o, mua_o, nuc_o, nua_o), outs):
-      ref[pl.ds(r, 1), :] = x
+  outs = block_step(h, p_ref[...], g_ref[...], muc_ref[...], mua_ref[...], nuc_ref[...],
+                    nua_ref[...], o_ref.dtype, tables=tables, **kw)
+  for ref, x in zip((o_ref, muc_o, mua_o, nuc_o, nua_o), outs):
+    ref[...] = x
 
 
 def leaf_step(hvec, p2, g2, muc, mua, nuc, nua, out_dtype, *, platform: str, l2: bool,
               decoupled: bool, fused: bool, tiling: Tiling = DEFAULT_OPTIONS.quantized_tiling,
-              fmt: str = "dynamic8", prologue: tuple[str, ...] = ()):
+              fmt: str = "dynamic8", prologue: tuple[str, ...] = (), coder: str = "table"):
   """One leaf's step on ``[num_blocks, block_size]`` views; ``mua``/``nua`` are
   ``[num_blocks, 1]``. ``platform``: ``"jnp"``, ``"cuda"`` or ``"interpret"``; ``tiling``:
   quantization blocks per program (``block_rows``) and the Triton launch settings; ``fmt``:
-  the codes' format; ``prologue``: the kinds of the chain links folded in."""
-  kw = dict(l2=l2, decoupled=decoupled, fused=fused, fmt=fmt, prologue=prologue)
+  the codes' format; ``prologue``: the kinds of the chain links folded in; ``coder``: how
+  the dynamic map's coders read their tables."""
+  kw = dict(l2=l2, decoupled=decoupled, fused=fused, fmt=fmt, prologue=prologue, coder=coder)
   names = hyper_names(prologue)
   args = (p2, g2, muc, mua, nuc, nua)
   if platform == "interpret" and any(sharding.varying_axes(x) for x in args):

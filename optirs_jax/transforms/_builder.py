@@ -294,7 +294,8 @@ def build(spec: OptimizerSpec,
     results = _quantized_kernel.execute(
         op, h, [(g[i], *in_kernel[i], *extras[i]) for i in idx], n_fields=len(names),
         signed=[not f.nonneg for f in fields], out_dtypes=out_dtypes, cuda=platforms[0],
-        other=platforms[1], tiling=executor_options.quantized_tiling)
+        other=platforms[1], tiling=executor_options.quantized_tiling,
+        coder=executor_options.dynamic_map_coder)
     for i, r in zip(idx, results):
       outs[i] = r
 

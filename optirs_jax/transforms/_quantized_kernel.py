@@ -66,25 +66,26 @@ def tables_of(hvec) -> tuple[jax.Array, jax.Array]:
 
 
 def block_step(op: ElementwiseOp, h, g, fields, extras, out_dtypes, *,
-               signed: Sequence[bool], fmt: str, tables=(None, None), index=None):
+               signed: Sequence[bool], fmt: str, tables=(None, None), index=None,
+               coder: str = "table"):
   """Blocks in, blocks out: ``(out, [(codes, absmax) per field], [tail outputs])``.
   ``fields``: each field's ``(codes [..., block], absmax [..., 1])``; ``out_dtypes``: the
   first output's dtype, then those of the outputs after the fields (the float32 master
   copy, in master mode); ``signed``: per field, whether it is stored on the signed map;
   ``tables``: the signed and unsigned maps' coder tables (arrays or a kernel's refs;
-  None builds them)."""
+  None builds them); ``coder``: how the dynamic map's coders read them."""
   table = lambda s: tables[0] if s else tables[1]
   n = len(fields)
-  decoded = [dequantize_blocks(c, a, table(s)) for (c, a), s in zip(fields, signed)]
+  decoded = [dequantize_blocks(c, a, table(s), coder) for (c, a), s in zip(fields, signed)]
   outs, _ = block_math(op, h, [g, *decoded, *extras],
                        [out_dtypes[0]] + [jnp.float32] * n + list(out_dtypes[1:]), index)
-  new = [quantize_blocks(x, signed=s, fmt=fmt, table=table(s))
+  new = [quantize_blocks(x, signed=s, fmt=fmt, table=table(s), coder=coder)
          for x, s in zip(outs[1:1 + n], signed)]
   return outs[0], new, list(outs[1 + n:])
 
 
 def _body(h_ref, *refs, op: ElementwiseOp, n_fields: int, n_extras: int, signed, fmt: str,
-          n_tables: int):
+          n_tables: int, coder: str):
   g_ref = refs[0]
   field_refs = refs[1:1 + 2 * n_fields]
   extra_refs = refs[1 + 2 * n_fields:1 + 2 * n_fields + n_extras]
@@ -92,33 +93,25 @@ def _body(h_ref, *refs, op: ElementwiseOp, n_fields: int, n_extras: int, signed,
   tables = tuple(rest[:n_tables]) if n_tables else (None, None)
   o_ref, *outs = rest[n_tables:]
   field_out, tail_out = outs[:2 * n_fields], outs[2 * n_fields:]
-  rows, width = g_ref.shape
-  h = read_hyper(h_ref, op.hyper)
-  # One quantization block at a time, each a (1, width) slice: a (rows, width) tile's
-  # row-wise reductions ran 1.5x slower in Triton (run 46). Every row's loads come first,
-  # so that the rows' memory traffic overlaps.
-  row = lambda ref, r: ref[pl.ds(r, 1), :]
-  loaded = [(row(g_ref, r),
-             [(row(field_refs[2 * k], r), row(field_refs[2 * k + 1], r))
-              for k in range(n_fields)],
-             [row(x, r) for x in extra_refs]) for r in range(rows)]
-  for r, (g, fields, extras) in enumerate(loaded):
-    index = None
-    if op.indexed:  # the element's index in its (local) leaf
-      index = block_index((1, width), (pl.program_id(0) * rows + r) * width)
-    out, new, tail = block_step(
-        op, h, g, fields, extras, (o_ref.dtype, *(x.dtype for x in tail_out)),
-        signed=signed, fmt=fmt, tables=tables, index=index)
-    o_ref[pl.ds(r, 1), :] = out
-    for k, (c, a) in enumerate(new):
-      field_out[2 * k][pl.ds(r, 1), :] = c
-      field_out[2 * k + 1][pl.ds(r, 1), :] = a
-    for x_ref, x in zip(tail_out, tail):
-      x_ref[pl.ds(r, 1), :] = x
+  index = None
+  if op.indexed:  # the element's index in its (local) leaf: whole rows per program
+    shape = g_ref.shape
+    index = block_index(shape, pl.program_id(0) * shape[0] * shape[1])
+  out, new, tail = block_step(
+      op, read_hyper(h_ref, op.hyper), g_ref[...],
+      [(field_refs[2 * k][...], field_refs[2 * k + 1][...]) for k in range(n_fields)],
+      [r[...] for r in extra_refs], (o_ref.dtype, *(r.dtype for r in tail_out)),
+      signed=signed, fmt=fmt, tables=tables, index=index, coder=coder)
+  o_ref[...] = out
+  for k, (c, a) in enumerate(new):
+    field_out[2 * k][...] = c
+    field_out[2 * k + 1][...] = a
+  for r, x in zip(tail_out, tail):
+    r[...] = x
 
 
 def _rows(op, hvec, g, fields, extras, out_dtypes, *, signed, fmt, platform: str,
-          tiling: Tiling):
+          tiling: Tiling, coder: str):
   """One leaf's kernel on ``[blocks, block_size]`` views (``fields``' scales
   ``[blocks, 1]``): ``(out, [(codes, absmax) per field], [tail outputs])``. The outputs
   take the buffers of the extras the op aliases them to (of one dtype): the first output
@@ -153,7 +146,7 @@ def _rows(op, hvec, g, fields, extras, out_dtypes, *, signed, fmt, platform: str
         aliases[1 + n + i] = out
   results = pl.pallas_call(
       functools.partial(_body, op=op, n_fields=n, n_extras=len(extras), signed=tuple(signed),
-                        fmt=fmt, n_tables=len(tables)),
+                        fmt=fmt, n_tables=len(tables), coder=coder),
       out_shape=tuple(out_shape),
       grid=(programs,),
       in_specs=([pl.BlockSpec((NHP,), lambda i: (0,)), row_spec] + field_specs
@@ -176,19 +169,20 @@ def _rows(op, hvec, g, fields, extras, out_dtypes, *, signed, fmt, platform: str
       op, read_hyper(hvec, op.hyper), cut(g),
       [(cut(flat_fields[2 * k]), cut(flat_fields[2 * k + 1])) for k in range(n)],
       [cut(x) for x in extras], out_dtypes, signed=signed, fmt=fmt, tables=tables_of(hvec),
-      index=index)
+      index=index, coder=coder)
   return (out.at[start:].set(t_out), [(c.at[start:].set(tc), a.at[start:].set(ta))
                                       for (c, a), (tc, ta) in zip(new, t_new)],
           [x.at[start:].set(t) for x, t in zip(tail, t_tail)])
 
 
-def _whole(op, hvec, g, fields, extras, out_dtypes, *, signed, fmt, block_size: int):
+def _whole(op, hvec, g, fields, extras, out_dtypes, *, signed, fmt, block_size: int,
+           coder: str):
   """One leaf in jnp: the fields decoded whole, the rule on the flat leaf, each new field
   encoded by rows of blocks (a last axis of part of a block included)."""
   tables = tables_of(hvec)
   table = lambda s: tables[0] if s else tables[1]
   decoded = [from_row_blocks(dequantize_blocks(as_row_blocks(c, block_size), a[..., None],
-                                               table(s)), g.shape)
+                                               table(s), coder), g.shape)
              for (c, a), s in zip(fields, signed)]
   flat = [x.reshape(-1) for x in (g, *decoded, *extras)]
   index = block_index(flat[0].shape) if op.indexed else None
@@ -198,13 +192,13 @@ def _whole(op, hvec, g, fields, extras, out_dtypes, *, signed, fmt, block_size: 
   new = []
   for x, s in zip(outs[1:1 + n], signed):
     c, a = quantize_blocks(as_row_blocks(x.reshape(g.shape), block_size), signed=s, fmt=fmt,
-                           table=table(s))
+                           table=table(s), coder=coder)
     new.append((from_row_blocks(c, g.shape), a[..., 0]))
   return outs[0].reshape(g.shape), new, [x.reshape(g.shape) for x in outs[1 + n:]]
 
 
 def _local(hvec, leaves, *, op, n_fields, signed, fmt, block_size, out_dtypes, platform,
-           tiling):
+           tiling, coder):
   """Leaves ``(g, codes, scales, ... per field, *extras)`` on this device's shards: per leaf
   ``(out, codes, scales, ... per field)``. A kernel where the (local) last axis is a whole
   number of blocks and a kernel platform runs; the jnp math on the whole leaf elsewhere."""
@@ -219,13 +213,14 @@ def _local(hvec, leaves, *, op, n_fields, signed, fmt, block_size, out_dtypes, p
     if (where == "jnp" or g.ndim == 0 or g.shape[-1] % block_size
         or (where == "cuda" and block_size & (block_size - 1))):  # Triton: powers of two
       out, new, tail = _whole(op, hvec, g, fields, extras, (dts[0], *dts[1 + 2 * n_fields:]),
-                              signed=signed, fmt=fmt, block_size=block_size)
+                              signed=signed, fmt=fmt, block_size=block_size, coder=coder)
     else:
       rows = lambda x: x.reshape(-1, block_size)
       out, new, tail = _rows(op, hvec, rows(g),
                              [(rows(c), a.reshape(-1, 1)) for c, a in fields],
                              [rows(x) for x in extras], (dts[0], *dts[1 + 2 * n_fields:]),
-                             signed=signed, fmt=fmt, platform=where, tiling=tiling)
+                             signed=signed, fmt=fmt, platform=where, tiling=tiling,
+                             coder=coder)
       out = out.reshape(g.shape)
       new = [(c.reshape(g.shape), a.reshape(f[1].shape)) for (c, a), f in zip(new, fields)]
       tail = [x.reshape(g.shape) for x in tail]
@@ -235,7 +230,7 @@ def _local(hvec, leaves, *, op, n_fields, signed, fmt, block_size, out_dtypes, p
 
 def execute(op: ElementwiseOp, h, leaves: Sequence[tuple], *, n_fields: int,
             signed: Sequence[bool], out_dtypes: Sequence, cuda: bool, other: str,
-            tiling: Tiling) -> list[tuple]:
+            tiling: Tiling, coder: str = "table") -> list[tuple]:
   """Runs ``op`` on leaves whose ``n_fields`` rule fields are :class:`Quantized8bit`.
 
   Args:
@@ -249,6 +244,8 @@ def execute(op: ElementwiseOp, h, leaves: Sequence[tuple], *, n_fields: int,
     cuda: whether to trace the Triton kernel (for a step lowered for an NVIDIA GPU).
     other: how other platforms run it: ``"jnp"`` or ``"interpret"`` (Pallas' interpreter).
     tiling: quantization blocks per program and the Triton launch settings.
+    coder: how the dynamic map's coders read their tables
+      (:data:`~optirs_jax.formats.codes.CODERS`: the same codes either way).
 
   Returns:
     Per leaf ``(out, Quantized8bit per field, *tail)``.
@@ -270,7 +267,7 @@ def execute(op: ElementwiseOp, h, leaves: Sequence[tuple], *, n_fields: int,
                 *out_dtypes[i][1:]) for i in idx]
         local = functools.partial(_local, op=op, n_fields=n_fields, signed=tuple(signed),
                                   fmt=fmt, block_size=bs, out_dtypes=dts, platform=platform,
-                                  tiling=tiling)
+                                  tiling=tiling, coder=coder)
         outs, _ = sharding.run_local(local, hvec, [flat[i] for i in idx], dts, 0,
                                      blocked=sharding.Blocked(bs, scales_in, scales_in))
         for j, i in enumerate(idx):
