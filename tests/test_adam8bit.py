@@ -295,16 +295,13 @@ def test_codes_round_trip_and_edges_pick_the_nearest(signed):
 @pytest.mark.parametrize("coder", ["table", "arithmetic-decode", "arithmetic"])
 @pytest.mark.parametrize("bits", [7, 8])
 def test_every_coder_decodes_each_code_to_the_maps_float64_value_rounded_once(bits, coder):
-  """The map's formula in float64 (the paper's dynamic tree), rounded to float32 once: what
-  every coder gives for every code, by lookup or by its decade constants."""
+  """The map by its definition (:func:`_np_map`, its non-negative half for the signed map):
+  what every coder gives for every code, by lookup or by its decade constants."""
   from optirs_jax.formats.codes import decode_magnitude
-  m = np.arange(1 << bits)
-  k = np.maximum(np.floor(np.log2(np.maximum(m, 1))), 0)
-  want = 10.0 ** -(bits - 1 - k) * (0.1 + 0.9 * (m - 2**k + 0.5) / 2**k)
-  want[0], want[-1] = 0.0, 1.0
+  want = _np_map(True)[(1 << bits) - 1:] if bits == 7 else _np_map(False)
   got = jax.jit(decode_magnitude, static_argnums=(1, 3))(jnp.arange(1 << bits), bits, None,
                                                          coder)
-  np.testing.assert_array_equal(np.asarray(got), want.astype(np.float32))
+  np.testing.assert_array_equal(np.asarray(got), want)
 
 
 @pytest.mark.parametrize("coder", ["table", "arithmetic"])

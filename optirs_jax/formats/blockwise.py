@@ -123,8 +123,9 @@ def quantize_blocks(x: jax.Array, signed: bool, fmt: str = "dynamic8", table=Non
   """``(codes, absmax[..., None])`` of float32 blocks ``x`` (``[..., block_size]``):
   ``a = x / absmax``, then the nearest code of the signed or unsigned dynamic map (``table``:
   the map's :func:`~optirs_jax.formats.codes.coder_table`, an array or a kernel's ``Ref``;
-  None builds it; ``coder``: how the coder reads it, :data:`~optirs_jax.formats.codes.
-  CODERS`), or ``float8_e4m3fn(a * 448)`` (rounded to nearest even)."""
+  None builds it; ``coder``: how the coder reads it, as
+  ``ExecutorOptions.dynamic_map_coder`` names them), or ``float8_e4m3fn(a * 448)``
+  (rounded to nearest even)."""
   absmax = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
   safe = jnp.where(absmax > 0, absmax, jnp.float32(1.0))
   a = x / safe

@@ -33,15 +33,17 @@ the same code as the search for every float32. The same jnp functions run in the
 (the table an array) and in the Pallas kernels (the table a ``Ref``, each lookup a gather
 from it).
 
-The coders can also compute what they look up (``coder``, :data:`CODERS`; the same codes
-and values either way, a question of speed only). With ``k`` the highest bit of ``m`` the
-magnitude is ``C_k N``, ``N = 18 m - 16 \cdot 2^k + 9`` an integer below ``2^12`` and
-``C_k = 10^{-(K-k)} / 2^{k+1}``; split as ``hi_k + lo_k``, ``hi_k`` its 12 leading bits,
-``hi_k N`` is exact and ``hi_k N + lo_k N`` rounds once, to the table's float32 for every
-code of both maps, whether or not a compiler fuses it into an fma. ``"arithmetic-decode"``
-decodes so (two loads from ``K`` pairs of constants instead of one from ``2^K``
-magnitudes); ``"arithmetic"`` also tests the threshold as its definition does,
-``t_{b+1} - a < a - t_b`` on the two magnitudes decoded so, instead of loading ``θ_b``.
+The coders can also compute what they look up (``coder``, as
+``ExecutorOptions.dynamic_map_coder`` names them: ``"table"``, ``"arithmetic-decode"``,
+``"arithmetic"``; the same codes and values either way, a question of speed only). With
+``k`` the highest bit of ``m`` the magnitude is ``C_k N``, with ``N = 18 m - 16 \cdot 2^k
++ 9`` an integer below ``2^12`` and ``C_k = 10^{-(K-k)} / 2^{k+1}``; split as ``hi_k +
+lo_k``, ``hi_k`` its 12 leading bits, ``hi_k N`` is exact and ``hi_k N + lo_k N`` rounds
+once, to the table's float32 for every code of both maps, whether or not a compiler fuses
+it into an fma. ``"arithmetic-decode"`` decodes so (two loads from ``K`` pairs of
+constants instead of one from ``2^K`` magnitudes); ``"arithmetic"`` also tests the
+threshold as its definition does, ``t_{b+1} - a < a - t_b`` on the two magnitudes decoded
+so, instead of loading ``θ_b``.
 """
 
 from __future__ import annotations
@@ -52,11 +54,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optirs_jax.pallas.options import DYNAMIC_MAP_CODERS
-
 SIGNED_BITS = 7  # magnitude bits of the signed map (one more bit is the sign)
 UNSIGNED_BITS = 8
-CODERS = DYNAMIC_MAP_CODERS  # how the coders read their table (ExecutorOptions)
 
 
 @functools.lru_cache

@@ -245,7 +245,7 @@ def execute(op: ElementwiseOp, h, leaves: Sequence[tuple], *, n_fields: int,
     other: how other platforms run it: ``"jnp"`` or ``"interpret"`` (Pallas' interpreter).
     tiling: quantization blocks per program and the Triton launch settings.
     coder: how the dynamic map's coders read their tables
-      (:data:`~optirs_jax.formats.codes.CODERS`: the same codes either way).
+      (``ExecutorOptions.dynamic_map_coder``: the same codes either way).
 
   Returns:
     Per leaf ``(out, Quantized8bit per field, *tail)``.
