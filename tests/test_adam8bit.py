@@ -34,7 +34,7 @@ def _np_map(signed: bool) -> np.ndarray:
 
 
 def _np_quantize(x: np.ndarray, signed: bool, block: int):
-  """Nearest code per element after dividing each block by its absmax; the blocks run along
+  """Nearest code per element of each block times float32(1 / its absmax); the blocks run along
   the last axis, each row's last one shorter where the row is not a whole number of them.
   Returns (the values the codes stand for, shaped like x; the absmax, [..., blocks])."""
   table = _np_map(signed)
@@ -45,7 +45,7 @@ def _np_quantize(x: np.ndarray, signed: bool, block: int):
   for j, start in enumerate(starts):
     blk = x[..., start:start + block]
     m = np.abs(blk).max(axis=-1, keepdims=True)
-    a = blk / np.where(m > 0, m, 1)
+    a = blk * (np.float32(1) / np.where(m > 0, m, np.float32(1)))
     out[..., start:start + block] = table[np.abs(a[..., None] - table).argmin(axis=-1)] * m
     absmax[..., j] = m[..., 0]
   return out, absmax

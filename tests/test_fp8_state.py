@@ -1,6 +1,6 @@
 """8-bit Adam's "fp8" state format against its definition written out in numpy (ml_dtypes'
-float8_e4m3fn, round to nearest even): each block of 256 elements divided by its absmax,
-times 448, stored as float8_e4m3fn (torchao's AdamWFp8 format)."""
+float8_e4m3fn, round to nearest even): each block of 256 elements times float32(1 / its
+absmax), times 448, stored as float8_e4m3fn (torchao's AdamWFp8 format)."""
 
 import chex
 import jax
@@ -33,7 +33,8 @@ def _np_fp8(x: np.ndarray, block: int):
   for j, start in enumerate(starts):
     blk = x[..., start:start + block]
     m = np.abs(blk).max(axis=-1, keepdims=True)
-    c = ((blk / np.where(m > 0, m, np.float32(1))) * np.float32(448)).astype(F8)
+    inv = np.float32(1) / np.where(m > 0, m, np.float32(1))
+    c = ((blk * inv) * np.float32(448)).astype(F8)
     codes[..., start:start + block] = c
     values[..., start:start + block] = c.astype(np.float32) * np.float32(1 / 448) * m
     absmax[..., j] = m[..., 0]
