@@ -3,13 +3,15 @@ apply for each ``quantized_tiling`` (quantization blocks per program, warps), wi
 AdamW and Lion in the same process for scale.
 
     PYTHONPATH=. python3 benchmarks/quantized_tiling.py [blocks per program] [warps] [cases]
-        [coders]
+        [coders] [policies]
 
-Each argument is a comma list (defaults ``1,2,4``, ``1,2,4``, every case and ``table``;
-the coders are ``ExecutorOptions.dynamic_map_coder``'s, the same codes either way). The
-cases:
-``adamw8bit`` in both formats (8-bit Adam's own kernel), ``adamw`` and ``lion`` with
-``state_quantization="dynamic8"`` (the spec builder's quantized kernel). Kernel time from
+Each argument is a comma list (defaults ``1,2,4``, ``1,2,4``, every case, ``table`` and
+``group``; the coders are ``ExecutorOptions.dynamic_map_coder``'s, the same codes either
+way; the policies ``ExecutorOptions.large_leaf_policy``'s: the spec builder's 8-bit leaves
+in grouped launches, ``group``, or one launch a leaf, ``in-place``). The cases:
+``adamw8bit`` in both formats (8-bit Adam's own kernel, one launch a leaf), ``adamw`` and
+``lion`` with ``state_quantization`` ``"dynamic8"`` and ``"fp8"`` (the spec builder's
+quantized kernel). Kernel time from
 the profiler (:func:`optirs_jax.bench.timing.profile_steps`), 10 steps after 3 of warm-up;
 copy bandwidth measured in the same process, and each line's share of it at the case's
 minimal bytes per parameter.
@@ -31,8 +33,12 @@ CASES = {
                                                    executor_options=o), 16),
   "adamw-dynamic8": (lambda o: optirs_jax.adamw(1e-3, state_quantization="dynamic8",
                                                 executor_options=o), 16),
+  "adamw-fp8": (lambda o: optirs_jax.adamw(1e-3, state_quantization="fp8",
+                                           executor_options=o), 16),
   "lion-dynamic8": (lambda o: optirs_jax.lion(1e-4, state_quantization="dynamic8",
                                               executor_options=o), 14),
+  "lion-fp8": (lambda o: optirs_jax.lion(1e-4, state_quantization="fp8",
+                                         executor_options=o), 14),
 }
 FLOAT32 = {"adamw": (lambda o: optirs_jax.adamw(1e-3, executor_options=o), 28),
            "lion": (lambda o: optirs_jax.lion(1e-4, executor_options=o), 20)}
@@ -56,24 +62,28 @@ def main(argv):
   warps = [int(x) for x in (argv[2] if len(argv) > 2 else "1,2,4").split(",")]
   names = argv[3].split(",") if len(argv) > 3 else list(CASES)
   coders = argv[4].split(",") if len(argv) > 4 else ["table"]
+  policies = argv[5].split(",") if len(argv) > 5 else ["group"]
   n = sum(x.size for x in jax.tree.leaves(make_tree(gpt2_small_shapes(), 0)))
   copy = timing.copy_bandwidth(1 << 27, warmup=3, batches=3, steps=10)
   print(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}: GPT-2 small ({n} "
         f"parameters), fused apply, kernel ms per step; copy {copy / 1e9:.0f} GB/s")
-  print(f"{'case':<20}{'coder':>18}{'blocks':>7}{'warps':>6}{'kernel ms':>11}{'% copy':>8}")
-  line = lambda name, c, r, w, ms, b: print(
-      f"{name:<20}{c:>18}{r:>7}{w:>6}{ms:>11.3f}{100 * n * b / (ms * 1e-3) / copy:>8.1f}",
-      flush=True)
+  print(f"{'case':<20}{'coder':>18}{'policy':>9}{'blocks':>7}{'warps':>6}{'kernel ms':>11}"
+        f"{'% copy':>8}")
+  line = lambda name, c, p, r, w, ms, b: print(
+      f"{name:<20}{c:>18}{p:>9}{r:>7}{w:>6}{ms:>11.3f}"
+      f"{100 * n * b / (ms * 1e-3) / copy:>8.1f}", flush=True)
   for name, (make, b) in FLOAT32.items():
-    line(name, "-", "-", "-", kernel_ms(make, ExecutorOptions()), b)
+    line(name, "-", "-", "-", "-", kernel_ms(make, ExecutorOptions()), b)
   for name in names:
     make, b = CASES[name]
     for c in coders if "dynamic8" in name else ["table"]:
-      for r in rows:
-        for w in warps:
-          options = ExecutorOptions(quantized_tiling=Tiling(block_rows=r, num_warps=w),
-                                    dynamic_map_coder=c)
-          line(name, c, r, w, kernel_ms(make, options), b)
+      for p in policies if not name.startswith("adamw8bit") else ["-"]:
+        for r in rows:
+          for w in warps:
+            options = ExecutorOptions(quantized_tiling=Tiling(block_rows=r, num_warps=w),
+                                      dynamic_map_coder=c,
+                                      large_leaf_policy="group" if p == "-" else p)
+            line(name, c, p, r, w, kernel_ms(make, options), b)
 
 
 if __name__ == "__main__":

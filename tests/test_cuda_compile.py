@@ -117,22 +117,27 @@ def test_master_weights_with_loss_scaling_compile_through_xla_for_an_h200(
 
 
 @pytest.mark.parametrize("fmt", ["dynamic8", "fp8"])
-def test_master_weights_with_quantized_state_compile_in_one_kernel_per_leaf(
-    h200, fmt, standard_promotion):
-  # bfloat16 params, float32 masters, 8-bit moments: each large leaf's kernel reads the
-  # bfloat16 gradient, the codes and the master and writes all three back, so a kernel
-  # per leaf and the loss scale's check (two launches); XLA decodes no state around them.
+@pytest.mark.parametrize("policy", ["group", "in-place"])
+def test_master_weights_with_quantized_state_compile_in_one_kernel(
+    h200, fmt, policy, standard_promotion):
+  # bfloat16 params, float32 masters, 8-bit moments: the large leaves' kernel reads the
+  # bfloat16 gradient, the codes and the master and writes all three back, so one grouped
+  # launch for both leaves (or one launch each, "in-place") and the loss scale's check
+  # (two launches); XLA decodes no state around them.
   tx = mp.with_loss_scaling(mp.master_weights(optirs_jax.adamw(
-      1e-3, state_quantization=fmt, min_quantized_size=1024)))
+      1e-3, state_quantization=fmt, min_quantized_size=1024,
+      executor_options=optirs_jax.ExecutorOptions(large_leaf_policy=policy))))
   params = {"w": jnp.ones((64, 512), jnp.bfloat16), "v": jnp.ones((32, 1024), jnp.bfloat16)}
   text = _compile(lambda p, s, g: optirs_jax.apply(tx, g, s, p), params,
                   tx.init(params), params)
-  assert text.count(f'custom_call_target="{TRITON}"') == 2 + 2
+  assert text.count(f'custom_call_target="{TRITON}"') == {"group": 1, "in-place": 2}[policy] + 2
   assert ("f8e4m3fn" in text) == (fmt == "fp8")
   # the kernel's outputs: bfloat16 params, both fields' codes and scales, the float32 master
+  # (flat buffers in the grouped launch, [blocks, 256] rows in a leaf's own)
   codes = {"dynamic8": "s8", "fp8": "f8e4m3fn"}[fmt]
-  kernel = re.search(r"\(bf16\[128,256\]\{1,0\}, " + codes + r"\[128,256\].*?\) custom-call", text)
-  assert kernel is not None and "f32[128,256]{1,0})" in kernel.group(0)
+  shape = {"group": r"\[32768\]\{0\}", "in-place": r"\[128,256\]\{1,0\}"}[policy]
+  kernel = re.search(r"\(bf16" + shape + ", " + codes + shape + r".*?\) custom-call", text)
+  assert kernel is not None and re.search("f32" + shape + r"\)", kernel.group(0))
 
 
 @pytest.mark.parametrize("fmt", ["dynamic8", "fp8"])
@@ -163,15 +168,15 @@ def test_8bit_kernels_compile_with_each_coder_for_an_h200(h200, coder):
 @pytest.mark.parametrize("name, kw", [("lion", {}), ("sgd", {"momentum": 0.9}),
                                       ("rmsprop", {"centered": True})])
 @pytest.mark.parametrize("fmt", ["dynamic8", "fp8"])
-def test_quantized_state_runs_in_one_kernel_per_large_leaf_for_an_h200(h200, name, kw, fmt):
-  # Each large leaf's fields are decoded, stepped and encoded inside its own Triton kernel
-  # (no float32 copy of a field between XLA passes); the small float32 leaf shares the
-  # float kernels' grouped launch on the fused apply, and runs on XLA on optax's contract.
+def test_quantized_state_runs_in_one_grouped_kernel_for_an_h200(h200, name, kw, fmt):
+  # The large leaves' fields are decoded, stepped and encoded inside one grouped Triton
+  # launch (no float32 copy of a field between XLA passes); the small float32 leaf runs in
+  # the float kernels' grouped launch on the fused apply, and on XLA on optax's contract.
   opt = getattr(optirs_jax, name)(1e-3, **kw, state_quantization=fmt)
   params = {"w": jnp.zeros((64, 512)), "v": jnp.zeros((32, 1024)), "b": jnp.zeros((7,))}
   state = opt.init(params)
   apply = _compile(lambda p, s, g: optirs_jax.apply(opt, g, s, p), params, state, params)
-  assert apply.count(f'custom_call_target="{TRITON}"') == 3
+  assert apply.count(f'custom_call_target="{TRITON}"') == 2
   assert ("f8e4m3fn" in apply) == (fmt == "fp8")
   update = _compile(lambda p, s, g: opt.update(g, s, p), params, state, params)
-  assert update.count(f'custom_call_target="{TRITON}"') == 2
+  assert update.count(f'custom_call_target="{TRITON}"') == 1

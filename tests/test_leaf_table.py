@@ -147,3 +147,67 @@ def test_lowers_to_triton_with_one_unmergeable_branch_per_leaf(capsys, shared):
   assert module.count("scf.if") == searches * (len(sizes) - 1)
   # Each leaf's output pointer is stored through once, whichever search found it.
   assert module.count("tt.store") == 1 + 3  # y; local, left and the sum per program
+
+
+def _scaled_body(*refs, starts, sizes, block):
+  """Per leaf x (its elements) and s (one value per block): y = x * s of the element's
+  block, t = s + 1, both written through the load's one search (two stores by owner)."""
+  n = len(sizes)
+  ins, outs = refs[:2 * n], refs[2 * n:]
+  pid = pl.program_id(0)
+  out_rows = [outs[2 * k:2 * k + 2] for k in range(n)]
+  local, left, (x, s), owner = leaf_table.load(pid, starts, sizes, block,
+                                               [ins[2 * k:2 * k + 2] for k in range(n)],
+                                               [0.0, 0.0], outs=out_rows, widths=[block, 1])
+  lane = jnp.arange(block, dtype=jnp.int32)
+  leaf_table.store(pid, starts, [row[:1] for row in out_rows], local * block + lane,
+                   lane < left, [x * s], owner=owner)
+  leaf_table.store(pid, starts, [row[1:] for row in out_rows], local[None], jnp.ones(1, bool),
+                   [s + 1.0], owner=owner)
+
+
+def _scaled_call(sizes, block, platform, debug=False):
+  blocks = [-(-s // block) for s in sizes]
+  starts = np.concatenate([[0], np.cumsum(blocks)]).tolist()
+  shapes = [jax.ShapeDtypeStruct((n,), jnp.float32) for s, b in zip(sizes, blocks)
+            for n in (s, b)]
+  return pl.pallas_call(
+    functools.partial(_scaled_body, starts=starts, sizes=sizes, block=block),
+    out_shape=shapes, grid=(starts[-1],), in_specs=[pl.BlockSpec()] * len(shapes),
+    out_specs=[pl.BlockSpec()] * len(shapes), interpret=platform == "interpret",
+    compiler_params=pltriton.CompilerParams(num_warps=1) if platform == "cuda" else None,
+    debug=debug), shapes
+
+
+@settings(max_examples=8, deadline=None)
+@given(sizes=st.lists(st.integers(1, 40), min_size=1, max_size=5),
+       block=st.sampled_from([4, 8]), seed=st.integers(0, 2**16))
+def test_a_width_of_one_reads_and_writes_one_value_per_block(sizes, block, seed):
+  rng = np.random.default_rng(seed)
+  call, shapes = _scaled_call(sizes, block, "interpret")
+  args = [rng.standard_normal(a.shape).astype(np.float32) for a in shapes]
+  got = jax.jit(call)(*args)
+  for k, size in enumerate(sizes):
+    x, s = args[2 * k], args[2 * k + 1]
+    np.testing.assert_array_equal(np.asarray(got[2 * k]), x * np.repeat(s, block)[:size])
+    np.testing.assert_array_equal(np.asarray(got[2 * k + 1]), s + np.float32(1))
+
+
+def test_widths_are_checked():
+  ref = jnp.zeros(4)
+  with pytest.raises(ValueError, match=r"each 4 or 1; got \(2,\)"):
+    leaf_table.load(0, [0, 1], [4], 4, [[ref]], [0.0], widths=[2])
+
+
+@pytest.mark.skipif(not leaf_table.AVAILABLE, reason="this jax's Triton lowering lacks what "
+                    "the leaf table builds on; grouped launches branch per leaf instead")
+def test_stores_of_some_of_the_found_refs_share_the_loads_search(capsys):
+  # Two stores, each of one of the two refs the load found per leaf: one search in all.
+  sizes = [5, 9, 3, 12]
+  call, shapes = _scaled_call(sizes, 4, "cuda", debug=True)
+  with abstract_target("NVIDIA H200", "cuda"):
+    text = jax.jit(call).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+  assert TRITON in text
+  module = capsys.readouterr().out.split("The Triton module for pallas_call")[-1]
+  assert module.count("scf.if") == len(sizes) - 1
+  assert module.count("tt.store") == 2

@@ -36,7 +36,8 @@ CATALOGUE = [(name, dict(entry.typical)) for name, entry in REGISTRY.items()
 # norms take a second pass); the rest of the catalogue on the reference in the dynamic map.
 CASES = [(o, fmt, b) for o in OPTIMIZERS for fmt in ("dynamic8", "fp8")
          for b in ("jnp", "pallas")] + [(o, "dynamic8", "jnp") for o in CATALOGUE]
-SHAPES = {"w": (8, 512), "e": (3, 700), "b": (37,)}  # w, e quantized (e: a short last block)
+# w, v and e quantized (e: a short last block; w and v share a grouped launch on the kernels)
+SHAPES = {"w": (8, 512), "v": (2, 3, 256), "e": (3, 700), "b": (37,)}
 
 
 def _tree(seed, scale=1.0):
@@ -102,7 +103,7 @@ def test_steps_are_optax_on_the_stored_values_and_store_the_numpy_format(opt, fm
         continue
       np.testing.assert_allclose(q.codes["b"], want["b"], rtol=1e-6, atol=1e-9)
       values = q.dequantize()
-      for k in ("w", "e"):
+      for k in ("w", "v", "e"):
         ref_values = _np_format(want[k], signed[field], fmt)
         assert np.mean(np.isclose(values[k], ref_values, rtol=1e-5, atol=0)) > 0.999, (field, k)
         np.testing.assert_allclose(values[k], ref_values, rtol=0.15,
@@ -113,8 +114,9 @@ def test_steps_are_optax_on_the_stored_values_and_store_the_numpy_format(opt, fm
 @pytest.mark.parametrize("fmt", ["dynamic8", "fp8"])
 @pytest.mark.parametrize("path", ["update", "apply"])
 def test_the_kernels_decode_and_encode_the_fields_of_whole_block_leaves(fmt, path):
-  """With the kernels, a leaf whose last axis is whole blocks runs in one kernel that reads
-  the codes (named for the format); a leaf with a short last block takes the jnp math."""
+  """With the kernels, the leaves whose last axes are whole blocks run in one grouped launch
+  that reads the codes (named for the format); a leaf with a short last block takes the jnp
+  math."""
   tx = optirs_jax.rmsprop(1e-3, momentum=0.9, state_quantization=fmt, min_quantized_size=1024,
                           backend="pallas")
   params = _tree(0)
@@ -122,10 +124,11 @@ def test_the_kernels_decode_and_encode_the_fields_of_whole_block_leaves(fmt, pat
   step = ((lambda g, s, p: optirs_jax.apply(tx, g, s, p)) if path == "apply"
           else (lambda g, s, p: tx.update(g, s, p)))
   jaxpr = str(jax.make_jaxpr(step)(params, state, params))
-  assert jaxpr.count(f"name=rmsprop_{fmt}") == 1  # "w"; "e" (3, 700) has a short block
+  assert jaxpr.count("name=rmsprop_") == 1  # "w" and "v"; "e" (3, 700) has a short block
+  assert jaxpr.count(f"name=rmsprop_{fmt}_grouped") == 1
   # The kernel's operands are the codes (8 bits) and scales of both fields, not floats.
   code_dtype = {"fp8": "f8_e4m3fn", "dynamic8": "i8"}[fmt]
-  assert f"{code_dtype}[8,512]" in jaxpr
+  assert f"{code_dtype}[4096]" in jaxpr and f"{code_dtype}[1536]" in jaxpr
 
 
 @pytest.mark.parametrize("name, kw", [("lion", {}), ("rmsprop", {}), ("adam", {})])
@@ -147,6 +150,35 @@ def test_fused_apply_equals_update_and_the_state_goes_through_jit_and_donation(f
   p_app, s_app = step(jax.tree.map(jnp.copy, params), tx.init(params), g)
   chex.assert_trees_all_close(p_app, optax.apply_updates(params, u), rtol=1e-6, atol=1e-9)
   assert_quantized_close(s_app.mu, s_upd.mu, step_rtol=0.15)
+
+
+@pytest.mark.parametrize("fmt", ["dynamic8", "fp8"])
+@pytest.mark.parametrize("name", ["adamw", "lion"])
+def test_the_grouped_launch_stores_what_a_launch_per_leaf_stores(name, fmt):
+  """The whole-block leaves of one format share one grouped launch (leaves of several sizes,
+  float32 and bfloat16 gradients: two runs of dtypes), and give the bits of one launch a
+  leaf (``large_leaf_policy="in-place"``) on the fused apply, over three steps."""
+  shapes = {"a": (8, 512), "b": (2, 3, 256), "c": (1024,), "d": (4, 256), "e": (3, 700)}
+  rng = np.random.default_rng(0)
+  params = {k: jnp.asarray(rng.standard_normal(s), jnp.float32) for k, s in shapes.items()}
+  grads = [{k: jnp.asarray(0.1 * rng.standard_normal(s),
+                           jnp.bfloat16 if k in "bd" else jnp.float32)
+            for k, s in shapes.items()} for _ in range(3)]
+  got = {}
+  for policy in ("group", "in-place"):
+    tx = getattr(optirs_jax, name)(
+      1e-2, state_quantization=fmt, min_quantized_size=1024, backend="pallas",
+      executor_options=optirs_jax.ExecutorOptions(large_leaf_policy=policy))
+    step = jax.jit(lambda p, s, g, tx=tx: optirs_jax.apply(tx, g, s, p))
+    jaxpr = str(jax.make_jaxpr(step)(params, tx.init(params), grads[0]))
+    grouped, every = jaxpr.count(f"name={name}_{fmt}_grouped"), jaxpr.count(f"name={name}_{fmt}")
+    # one grouped launch, or launches of one leaf each ("e" has a short last block: jnp)
+    assert (grouped, every > grouped) == {"group": (1, False), "in-place": (0, True)}[policy]
+    p, s = params, tx.init(params)
+    for g in grads:
+      p, s = step(p, s, g)
+    got[policy] = (p, s)
+  chex.assert_trees_all_equal(got["group"], got["in-place"])
 
 
 def test_every_leaf_quantized_but_an_empty_one():

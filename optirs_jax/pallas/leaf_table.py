@@ -67,7 +67,8 @@ store_p.multiple_results = True
 
 
 def load(pid, starts: Sequence[int], sizes: Sequence[int], block: int,
-         refs: Sequence[Sequence], others, outs: Sequence[Sequence] | None = None):
+         refs: Sequence[Sequence], others, outs: Sequence[Sequence] | None = None,
+         widths: Sequence[int] | None = None):
   """The program's block of the leaf ``k`` with ``starts[k] <= pid < starts[k + 1]``.
 
   Args:
@@ -78,15 +79,18 @@ def load(pid, starts: Sequence[int], sizes: Sequence[int], block: int,
     refs: per leaf, its operands' flat refs (every leaf alike in count and dtypes).
     others: per operand, the scalar that lanes past the leaf's end read.
     outs: per leaf, the refs a later :func:`store` writes (every leaf alike), found by the
-      same search: pass the returned ``owner`` to that store, which then needs no search
-      of its own.
+      same search: pass the returned ``owner`` to that store (or to several, each writing
+      some of these refs), which then needs no search of its own.
+    widths: per operand, ``block`` (the default: the block's elements) or 1: one value
+      per block, the element ``local`` of a ref of one value per block of its leaf (a
+      block's scale), never masked.
 
   Returns:
     ``(local, left, values)``: the block's index in its leaf (``pid - starts[k]``), the
     elements from its start to the leaf's end (``sizes[k] - local * block``), and per
     operand the ``[block]`` elements ``local * block + arange(block)`` (``other`` where
-    that is not below ``sizes[k]``); with ``outs``, ``(local, left, values, owner)``,
-    ``owner`` being ``k``.
+    that is not below ``sizes[k]``; ``[1]``, the element ``local``, at width 1); with
+    ``outs``, ``(local, left, values, owner)``, ``owner`` being ``k``.
   """
   n_ops = _check(starts, refs)
   if len(sizes) != len(refs):
@@ -94,9 +98,14 @@ def load(pid, starts: Sequence[int], sizes: Sequence[int], block: int,
   n_outs = 0 if outs is None else _check(starts, outs)
   flat = [r for leaf in (*refs, *(outs or ())) for r in leaf]
   others = [jnp.asarray(o, r.dtype) for o, r in zip(others, refs[0], strict=True)]
+  widths = (int(block),) * n_ops if widths is None else tuple(int(w) for w in widths)
+  if len(widths) != n_ops or any(w not in (1, int(block)) for w in widths):
+    raise ValueError(f"need one width per operand, each {block} or 1; got {widths} for "
+                     f"{n_ops} operands")
   local, left, owner, *values = load_p.bind(
     jnp.asarray(pid, jnp.int32), *others, *flat, starts=tuple(int(s) for s in starts),
-    sizes=tuple(int(s) for s in sizes), block=int(block), n_ops=n_ops, n_outs=n_outs)
+    sizes=tuple(int(s) for s in sizes), block=int(block), n_ops=n_ops, n_outs=n_outs,
+    widths=widths)
   return (local, left, values) if outs is None else (local, left, values, owner)
 
 
@@ -105,7 +114,7 @@ def store(pid, starts: Sequence[int], refs: Sequence[Sequence], idx, mask, value
   """``ref[idx] = value`` where ``mask``, per operand, into the refs of the leaf owning
   ``pid`` (arguments as in :func:`load`; ``values``: one ``[B]`` array per operand, cast
   to its refs' dtype). ``owner``: the leaf, as returned by a :func:`load` given these
-  ``refs`` as its ``outs``; its search then serves the store too."""
+  ``refs`` (or more, per leaf) as its ``outs``; its search then serves the store too."""
   n_ops = _check(starts, refs)
   flat = [r for leaf in refs for r in leaf]
   values = [jnp.asarray(v).astype(r.dtype) for v, r in zip(values, refs[0], strict=True)]
@@ -150,11 +159,11 @@ def _read_effects(n_ops, leaves):
 
 
 @load_p.def_effectful_abstract_eval
-def _load_abstract_eval(pid, *rest, starts, sizes, block, n_ops, n_outs):
-  del pid, starts, n_outs
+def _load_abstract_eval(pid, *rest, starts, sizes, block, n_ops, n_outs, widths):
+  del pid, starts, n_outs, block
   refs = rest[n_ops:]
   index = jax_core.ShapedArray((), jnp.int32)
-  outs = [jax_core.ShapedArray((block,), r.dtype) for r in refs[:n_ops]]
+  outs = [jax_core.ShapedArray((w,), r.dtype) for r, w in zip(refs[:n_ops], widths)]
   return [index, index, index, *outs], _read_effects(n_ops, len(sizes))
 
 
@@ -176,7 +185,8 @@ def _load_dce(used_outs, eqn):
   outvars = [*eqn.outvars[:3], *(eqn.outvars[3 + i] for i in keep)]
   new = pe.new_jaxpr_eqn(
     [pid, *(others[i] for i in keep), *refs, *out_refs], outvars, load_p,
-    dict(eqn.params, n_ops=len(keep), n_outs=keep_outs), _read_effects(len(keep), leaves),
+    dict(eqn.params, n_ops=len(keep), n_outs=keep_outs,
+         widths=tuple(eqn.params["widths"][i] for i in keep)), _read_effects(len(keep), leaves),
     eqn.source_info, eqn.ctx)
   used_ins = [True, *(i in keep for i in range(n_ops)),
               *(i in keep for _ in rows for i in range(n_ops)),
@@ -212,17 +222,17 @@ def _discharge_rule(prim):
 
 
 @_discharge_rule(load_p)
-def _load_discharge(pid, *rest, starts, sizes, block, n_ops, n_outs):
+def _load_discharge(pid, *rest, starts, sizes, block, n_ops, n_outs, widths):
   others, rows, _ = _load_rows(rest, n_ops, n_outs, len(sizes))
   owner = _owner(pid, starts)
   local = pid - jnp.asarray(np.asarray(starts[:-1], np.int32))[owner]
   left = jnp.asarray(np.asarray(sizes, np.int32))[owner] - local * block
   lane = jnp.arange(block, dtype=jnp.int32)
-  idx, mask = local * block + lane, lane < left
+  at = {block: (local * block + lane, lane < left), 1: (local[None], jnp.ones(1, bool))}
 
   def branch(row):
-    return lambda: [jnp.where(mask, jnp.take(r, idx, mode="clip"), o)
-                    for r, o in zip(row, others)]
+    return lambda: [jnp.where(at[w][1], jnp.take(r, at[w][0], mode="clip"), o)
+                    for r, o, w in zip(row, others, widths)]
 
   values = jax.lax.switch(owner, [branch(row) for row in rows])
   return [None] * (1 + len(rest)), [local, left, owner.astype(jnp.int32), *values]
@@ -288,14 +298,14 @@ if AVAILABLE:
     return pointers
 
   def _found_outs(ctx) -> list:
-    """``(owner, refs, pointers)`` of the loads given ``outs`` in the kernel being lowered,
+    """``(owner, rows, pointers)`` of the loads given ``outs`` in the kernel being lowered,
     for the stores that take their ``owner`` (and the same refs): the search's results are
     MLIR values of the load's rule, which a jaxpr value cannot carry (pointers have no jax
     dtype)."""
     return ctx.context.__dict__.setdefault("_optirs_leaf_outs", [])
 
   @tl.register_lowering(load_p)
-  def _load_lowering(ctx, pid, *rest, starts, sizes, block, n_ops, n_outs):
+  def _load_lowering(ctx, pid, *rest, starts, sizes, block, n_ops, n_outs, widths):
     others, rows, out_rows = _load_rows(rest, n_ops, n_outs, len(sizes))
     i32 = pid.type
 
@@ -307,7 +317,7 @@ if AVAILABLE:
     start, size, owner, *pointers = _owner_values(ctx, pid, starts,
                                                   [leaf(k) for k in range(len(rows))], types)
     if n_outs:
-      _found_outs(ctx).append((owner, [r for row in out_rows for r in row], pointers[n_ops:]))
+      _found_outs(ctx).append((owner, out_rows, pointers[n_ops:]))
     local = tl._sub(pid, start)
     first = tl._mul(local, tl._ir_constant(block, i32))  # the block's first element
     left = tl._sub(size, first)
@@ -316,20 +326,36 @@ if AVAILABLE:
     mask = arith_dialect.cmpi(arith_dialect.CmpIPredicate.slt, lane,
                               tl._bcast_to(left, (block,)))
     values = []
-    for p, o, aval in zip(pointers[:n_ops], others, ctx.avals_in[1:1 + n_ops]):
-      addresses = tl._add(_aligned(tl._bcast_to(p, (block,))), idx)
-      other = tl._bcast_to(tl._ensure_ir_value(o, aval), (block,))
-      values.append(tl._load(addresses, mask=mask, other=other, eviction_policy=_evict()))
+    for p, o, aval, w in zip(pointers[:n_ops], others, ctx.avals_in[1:1 + n_ops], widths):
+      if w == block:
+        addresses = tl._add(_aligned(tl._bcast_to(p, (block,))), idx)
+        other = tl._bcast_to(tl._ensure_ir_value(o, aval), (block,))
+        values.append(tl._load(addresses, mask=mask, other=other, eviction_policy=_evict()))
+      else:  # one value per block: the element ``local``
+        addresses = tl._add(tl._bcast_to(p, (1,)), tl._bcast_to(local, (1,)))
+        values.append(tl._load(addresses, eviction_policy=_evict()))
     return [local, left, owner, *values]
+
+  def _columns(rows, out_rows, pointers):
+    """The owner's pointers to the refs of ``rows`` (per leaf, the store's refs) where each
+    is, in every leaf, the same one of a load's ``out_rows``; else None."""
+    if len(rows) != len(out_rows):
+      return None
+    columns = []
+    for j, ref in enumerate(rows[0]):
+      c = next((c for c, r in enumerate(out_rows[0]) if r is ref), None)
+      if c is None or any(row[j] is not out[c] for row, out in zip(rows, out_rows)):
+        return None
+      columns.append(c)
+    return [pointers[c] for c in columns]
 
   @tl.register_lowering(store_p)
   def _store_lowering(ctx, pid, idx, mask, *rest, starts, n_ops, by_owner):
     values, rows = _rows(rest, n_ops)
     shape = ctx.avals_in[1].shape
     mask = tl._bcast_to(tl._ensure_ir_value(mask, ctx.avals_in[2]), shape)
-    flat = [r for row in rows for r in row]
-    found = [p for owner, refs, p in _found_outs(ctx) if owner is pid and len(refs) == len(flat)
-             and all(a is b for a, b in zip(refs, flat))] if by_owner else []
+    found = [cols for owner, out_rows, found_pointers in _found_outs(ctx) if owner is pid
+             and (cols := _columns(rows, out_rows, found_pointers)) is not None] if by_owner else []
     if found:  # the load's search found these refs' pointers already
       pointers = found[0]
     else:

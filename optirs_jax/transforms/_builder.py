@@ -295,7 +295,9 @@ def build(spec: OptimizerSpec,
         op, h, [(g[i], *in_kernel[i], *extras[i]) for i in idx], n_fields=len(names),
         signed=[not f.nonneg for f in fields], out_dtypes=out_dtypes, cuda=platforms[0],
         other=platforms[1], tiling=executor_options.quantized_tiling,
-        coder=executor_options.dynamic_map_coder)
+        coder=executor_options.dynamic_map_coder,
+        grouped=executor_options.large_leaf_policy == "group",
+        max_buffers=executor_options.grouped_max_buffers)
     for i, r in zip(idx, results):
       outs[i] = r
 

@@ -40,10 +40,12 @@ from optirs_jax.formats.blockwise import (
   quantize_blocks,
 )
 from optirs_jax.formats.codes import SIGNED_BITS, UNSIGNED_BITS, coder_table, coder_table_size
-from optirs_jax.pallas import lazy_branches, sharding
+from optirs_jax.pallas import lazy_branches, leaf_table, sharding
+from optirs_jax.pallas.grouped import dtype_runs, for_owner
 from optirs_jax.pallas.kernel import block_index, compiler_params
 from optirs_jax.pallas.op import NHP, ElementwiseOp, block_math, hyper_vector, read_hyper
 from optirs_jax.pallas.options import Tiling
+from optirs_jax.planning.layout import GroupedCall, plan_grouped_calls
 
 
 def rows_per_program(num_blocks: int, most: int) -> int:
@@ -134,16 +136,9 @@ def _rows(op, hvec, g, fields, extras, out_dtypes, *, signed, fmt, platform: str
     out_shape += [sharding.out_struct(g, g.shape, flat_fields[2 * k].dtype),
                   sharding.out_struct(g, (nb, 1), jnp.float32)]
   out_shape += [sharding.out_struct(g, g.shape, dt) for dt in tail_dtypes]
-  # Operand positions count the vector first: g 1, the fields' codes and scales, extras;
-  # outputs: the first, the fields' codes and scales, the tail.
-  aliases = {2 + j: 1 + j for j in range(2 * n)}
-  # The op's own positions: inputs (g, *fields, *extras), outputs (u, *fields, *tail); an
-  # extra aliased to u or to a tail output gives the kernel's output its buffer.
-  for i, o in op.aliases:
-    if i > n and (o == 0 or o > n):
-      out = 0 if o == 0 else o + n
-      if extras[i - n - 1].dtype == out_shape[out].dtype:
-        aliases[1 + n + i] = out
+  # Operand positions count the vector first.
+  aliases = {1 + i: o for i, o in _in_place_aliases(
+    op, n, extras, [x.dtype for x in out_shape]).items()}
   results = pl.pallas_call(
       functools.partial(_body, op=op, n_fields=n, n_extras=len(extras), signed=tuple(signed),
                         fmt=fmt, n_tables=len(tables), coder=coder),
@@ -175,6 +170,119 @@ def _rows(op, hvec, g, fields, extras, out_dtypes, *, signed, fmt, platform: str
           [x.at[start:].set(t) for x, t in zip(tail, t_tail)])
 
 
+def _in_place_aliases(op, n: int, extras, out_dtypes) -> dict[int, int]:
+  """``{input: output}`` positions of a leaf's flat operands ``(g, codes and scales per
+  field, *extras)`` and outputs ``(out, codes and scales per field, *tail)``: each field's
+  codes and scales, and the extras the op aliases to its first output or its tail (of that
+  output's dtype)."""
+  aliases = {1 + j: 1 + j for j in range(2 * n)}
+  # The op's own positions: inputs (g, *fields, *extras), outputs (u, *fields, *tail).
+  for i, o in op.aliases:
+    if i > n and (o == 0 or o > n):
+      out = 0 if o == 0 else o + n
+      if extras[i - n - 1].dtype == out_dtypes[out]:
+        aliases[n + i] = out
+  return aliases
+
+
+def _grouped_body(h_ref, *refs, op: ElementwiseOp, call: GroupedCall, n_fields: int,
+                  n_extras: int, n_tail: int, signed, fmt: str, n_tables: int, coder: str):
+  leaves, bs = len(call.sizes), call.block_elems
+  n_in, n_out = 1 + 2 * n_fields + n_extras, 1 + 2 * n_fields + n_tail
+  ins, rest = refs[:leaves * n_in], refs[leaves * n_in:]
+  tables = tuple(rest[:n_tables]) if n_tables else (None, None)
+  outs = rest[n_tables:]
+  ins_of = lambda k: ins[k * n_in:(k + 1) * n_in]
+  outs_of = lambda k: outs[k * n_out:(k + 1) * n_out]
+  scales = [2 + 2 * k for k in range(n_fields)]  # the fields' scales, in and out
+  data = [j for j in range(n_out) if j not in scales]
+  pid = pl.program_id(0)
+  lane = jnp.arange(bs, dtype=jnp.int32)
+
+  def run(lo: int, hi: int):
+    # One search finds the leaf's pointers; its block of each operand (one scale a field).
+    local, _, vals, owner = leaf_table.load(
+      pid, call.starts[lo:hi + 1], call.sizes[lo:hi], bs, [ins_of(k) for k in range(lo, hi)],
+      [0] * n_in, outs=[outs_of(k) for k in range(lo, hi)],
+      widths=[1 if j in scales else bs for j in range(n_in)])
+    idx = local * bs + lane
+    out, new, tail = block_step(
+      op, read_hyper(h_ref, op.hyper), vals[0][None],
+      [(vals[1 + 2 * k][None], vals[2 + 2 * k][None]) for k in range(n_fields)],
+      [x[None] for x in vals[1 + 2 * n_fields:]],
+      (outs_of(lo)[0].dtype, *(r.dtype for r in outs_of(lo)[n_out - n_tail:])), signed=signed,
+      fmt=fmt,
+      tables=tables, index=idx.astype(jnp.uint32)[None] if op.indexed else None, coder=coder)
+    results = [out, *(x for pair in new for x in pair), *tail]
+    starts = call.starts[lo:hi + 1]
+    rows = lambda cols: [[outs_of(k)[j] for j in cols] for k in range(lo, hi)]
+    leaf_table.store(pid, starts, rows(data), idx, lane < bs, [results[j][0] for j in data],
+                     owner=owner)
+    leaf_table.store(pid, starts, rows(scales), local[None], jnp.ones(1, bool),
+                     [results[j][0] for j in scales], owner=owner)
+
+  signatures = [tuple(jnp.dtype(r.dtype) for r in (*ins_of(k), *outs_of(k)))
+                for k in range(leaves)]
+  runs = dtype_runs(signatures)
+  for_owner(pid, [call.starts[lo] for lo, _ in runs] + [call.starts[-1]],
+            lambda r: run(*runs[r]))
+
+
+def _grouped(op, hvec, leaves, out_dtypes, *, n_fields: int, signed, fmt: str,
+             block_size: int, platform: str, tiling: Tiling, coder: str, max_buffers: int):
+  """Leaves ``(g, codes, scales, ... per field, *extras)`` whose (local) last axes are whole
+  numbers of blocks, in grouped launches (:mod:`optirs_jax.pallas.grouped`'s design: one
+  program per quantization block of every leaf, which finds its leaf by a search over the
+  static block offsets, :mod:`optirs_jax.pallas.leaf_table`): per leaf ``(out, codes,
+  scales, ... per field, *tail)``."""
+  n_in = len(leaves[0])
+  n_out = len(out_dtypes[0])
+  n_extras, n_tail = n_in - 1 - 2 * n_fields, n_out - 1 - 2 * n_fields
+  tables = tables_of(hvec) if fmt == "dynamic8" else ()
+  calls = plan_grouped_calls([leaf[0].size for leaf in leaves], block_elems=block_size,
+                             operands_per_leaf=n_in + n_out,
+                             max_pointers=max(n_in + n_out, max_buffers - len(tables)))
+  results: list = [None] * len(leaves)
+  for call in calls:
+    members = [leaves[i] for i in call.leaves]
+    dts = [out_dtypes[i] for i in call.leaves]
+    flat = [x.reshape(-1) for leaf in members for x in leaf]
+    hv, *rest = sharding.vary_alike((hvec, *flat, *tables))
+    flat, tabs = rest[:len(flat)], rest[len(flat):]
+    out_shape = [sharding.out_struct(flat[k * n_in], (x.size,), dt)
+                 for k, (leaf, dt_row) in enumerate(zip(members, dts))
+                 for x, dt in zip((leaf[0], *leaf[1:1 + 2 * n_fields], *([leaf[0]] * n_tail)),
+                                  dt_row)]
+    aliases = {}
+    for k, leaf in enumerate(members):
+      for i, o in _in_place_aliases(op, n_fields, leaf[1 + 2 * n_fields:], dts[k]).items():
+        aliases[1 + k * n_in + i] = k * n_out + o
+    whole = pl.BlockSpec()
+    by_sizes = GroupedCall(leaves=tuple(range(len(call.sizes))), sizes=call.sizes,
+                           starts=call.starts, block_elems=call.block_elems)
+    got = pl.pallas_call(
+        functools.partial(_grouped_body, op=op, call=by_sizes, n_fields=n_fields,
+                          n_extras=n_extras, n_tail=n_tail, signed=tuple(signed), fmt=fmt,
+                          n_tables=len(tabs), coder=coder),
+        out_shape=tuple(out_shape),
+        grid=(call.num_blocks,),
+        in_specs=([pl.BlockSpec((NHP,), lambda i: (0,))] + [whole] * len(flat)
+                  + [pl.BlockSpec(t.shape, lambda i: (0,)) for t in tabs]),
+        out_specs=tuple([whole] * len(out_shape)),
+        input_output_aliases=aliases,
+        interpret=platform == "interpret",
+        compiler_params=compiler_params(platform, tiling),
+        name=f"{op.name}_{fmt}_grouped",
+    )(hv, *flat, *tabs)
+    for k, i in enumerate(call.leaves):
+      leaf = leaves[i]
+      shapes = (leaf[0].shape, *(x.shape for x in leaf[1:1 + 2 * n_fields]),
+                *([leaf[0].shape] * n_tail))
+      results[i] = tuple(y.reshape(shape) for y, shape in
+                         zip(got[k * n_out:(k + 1) * n_out], shapes))
+  return results
+
+
 def _whole(op, hvec, g, fields, extras, out_dtypes, *, signed, fmt, block_size: int,
            coder: str):
   """One leaf in jnp: the fields decoded whole, the rule on the flat leaf, each new field
@@ -198,20 +306,37 @@ def _whole(op, hvec, g, fields, extras, out_dtypes, *, signed, fmt, block_size: 
 
 
 def _local(hvec, leaves, *, op, n_fields, signed, fmt, block_size, out_dtypes, platform,
-           tiling, coder):
+           tiling, coder, grouped=False, max_buffers=0):
   """Leaves ``(g, codes, scales, ... per field, *extras)`` on this device's shards: per leaf
   ``(out, codes, scales, ... per field)``. A kernel where the (local) last axis is a whole
-  number of blocks and a kernel platform runs; the jnp math on the whole leaf elsewhere."""
-  outs = []
-  for leaf, dts in zip(leaves, out_dtypes):
+  number of blocks and a kernel platform runs (with ``grouped`` and one block a program,
+  the grouped launches of :func:`_grouped`; else one launch a leaf); the jnp math on the
+  whole leaf elsewhere."""
+  def where(leaf) -> str:
+    g = leaf[0]
+    if platform == "interpret" and any(sharding.varying_axes(x) for x in leaf):
+      return "jnp"  # Pallas' interpreter cannot check varying axes inside a shard_map
+    if (platform == "jnp" or g.ndim == 0 or g.size == 0 or g.shape[-1] % block_size
+        or (platform == "cuda" and block_size & (block_size - 1))):  # Triton: powers of two
+      return "jnp"
+    return platform
+
+  places = [where(leaf) for leaf in leaves]
+  outs: list = [None] * len(leaves)
+  if grouped and tiling.block_rows == 1 and (
+      idx := [i for i, w in enumerate(places) if w != "jnp"]):
+    got = _grouped(op, hvec, [leaves[i] for i in idx], [out_dtypes[i] for i in idx],
+                   n_fields=n_fields, signed=signed, fmt=fmt, block_size=block_size,
+                   platform=platform, tiling=tiling, coder=coder, max_buffers=max_buffers)
+    for i, r in zip(idx, got):
+      outs[i] = r
+  for i, (leaf, dts) in enumerate(zip(leaves, out_dtypes)):
+    if outs[i] is not None:
+      continue
     g, rest = leaf[0], leaf[1:]
     fields = [(rest[2 * k], rest[2 * k + 1]) for k in range(n_fields)]
     extras = rest[2 * n_fields:]
-    where = platform
-    if where == "interpret" and any(sharding.varying_axes(x) for x in leaf):
-      where = "jnp"  # Pallas' interpreter cannot check varying axes inside a shard_map
-    if (where == "jnp" or g.ndim == 0 or g.shape[-1] % block_size
-        or (where == "cuda" and block_size & (block_size - 1))):  # Triton: powers of two
+    if places[i] == "jnp":
       out, new, tail = _whole(op, hvec, g, fields, extras, (dts[0], *dts[1 + 2 * n_fields:]),
                               signed=signed, fmt=fmt, block_size=block_size, coder=coder)
     else:
@@ -219,18 +344,19 @@ def _local(hvec, leaves, *, op, n_fields, signed, fmt, block_size, out_dtypes, p
       out, new, tail = _rows(op, hvec, rows(g),
                              [(rows(c), a.reshape(-1, 1)) for c, a in fields],
                              [rows(x) for x in extras], (dts[0], *dts[1 + 2 * n_fields:]),
-                             signed=signed, fmt=fmt, platform=where, tiling=tiling,
+                             signed=signed, fmt=fmt, platform=places[i], tiling=tiling,
                              coder=coder)
       out = out.reshape(g.shape)
       new = [(c.reshape(g.shape), a.reshape(f[1].shape)) for (c, a), f in zip(new, fields)]
       tail = [x.reshape(g.shape) for x in tail]
-    outs.append((out, *(x for pair in new for x in pair), *tail))
+    outs[i] = (out, *(x for pair in new for x in pair), *tail)
   return outs, [()] * len(leaves)
 
 
 def execute(op: ElementwiseOp, h, leaves: Sequence[tuple], *, n_fields: int,
             signed: Sequence[bool], out_dtypes: Sequence, cuda: bool, other: str,
-            tiling: Tiling, coder: str = "table") -> list[tuple]:
+            tiling: Tiling, coder: str = "table", grouped: bool = True,
+            max_buffers: int = 1512) -> list[tuple]:
   """Runs ``op`` on leaves whose ``n_fields`` rule fields are :class:`Quantized8bit`.
 
   Args:
@@ -246,6 +372,9 @@ def execute(op: ElementwiseOp, h, leaves: Sequence[tuple], *, n_fields: int,
     tiling: quantization blocks per program and the Triton launch settings.
     coder: how the dynamic map's coders read their tables
       (``ExecutorOptions.dynamic_map_coder``: the same codes either way).
+    grouped: whether the kernel leaves of one format and block size share grouped
+      launches (at most ``max_buffers`` operand buffers each) rather than one launch
+      each (the same numbers either way).
 
   Returns:
     Per leaf ``(out, Quantized8bit per field, *tail)``.
@@ -267,7 +396,8 @@ def execute(op: ElementwiseOp, h, leaves: Sequence[tuple], *, n_fields: int,
                 *out_dtypes[i][1:]) for i in idx]
         local = functools.partial(_local, op=op, n_fields=n_fields, signed=tuple(signed),
                                   fmt=fmt, block_size=bs, out_dtypes=dts, platform=platform,
-                                  tiling=tiling, coder=coder)
+                                  tiling=tiling, coder=coder, grouped=grouped,
+                                  max_buffers=max_buffers)
         outs, _ = sharding.run_local(local, hvec, [flat[i] for i in idx], dts, 0,
                                      blocked=sharding.Blocked(bs, scales_in, scales_in))
         for j, i in enumerate(idx):
