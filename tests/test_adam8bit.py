@@ -249,16 +249,51 @@ def test_schedules_extra_args_and_bad_input():
     tx.update({"w": jnp.ones((2, 256), jnp.int32)}, s, params)
 
 
+@pytest.mark.parametrize("policy", ["group", "in-place"])
 @pytest.mark.parametrize("make", [adam8bit, adamw8bit])
-def test_cuda_export_carries_one_triton_kernel_per_8bit_leaf(make):
-  """Two 8-bit leaves of whole blocks: a kernel each; the float32 leaves (b, b2): one
-  grouped launch of float32 Adam(W); an 8-bit leaf of a short block: the jnp math."""
+def test_cuda_export_carries_one_triton_kernel_for_the_8bit_leaves(make, policy):
+  """Two 8-bit leaves of whole blocks: one grouped launch (one launch each with
+  ``large_leaf_policy="in-place"``); the float32 leaves (b, b2): one grouped launch of
+  float32 Adam(W); an 8-bit leaf of a short block: the jnp math."""
   from tests.test_lowering import cuda_triton_calls
-  tx = make(1e-3)
+  tx = make(1e-3, executor_options=optirs_jax.ExecutorOptions(large_leaf_policy=policy))
   params = {"w": jnp.zeros((512, 768)), "e": jnp.zeros((1000, 256)), "b": jnp.zeros(768),
             "b2": jnp.zeros(100), "odd": jnp.zeros((4097,))}
   step = lambda p, s, g: optirs_jax.apply(tx, g, s, p)
-  assert cuda_triton_calls(step, params, tx.init(params), params) == 3
+  assert cuda_triton_calls(step, params, tx.init(params), params) == {"group": 2,
+                                                                       "in-place": 3}[policy]
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="interpret mode runs the reference's "
+                    "XLA ops; the Triton kernel is compared in tests/test_gpu.py")
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+@pytest.mark.parametrize("fmt", ["dynamic8", "fp8"])
+@pytest.mark.parametrize("make", ["adam8bit", "adamw8bit"])
+def test_the_grouped_launch_stores_what_a_launch_per_leaf_stores(make, fmt, weight_decay):
+  """The 8-bit leaves of whole blocks share one grouped launch (leaves of several sizes,
+  float32 and bfloat16 gradients), with the bits of one launch a leaf, on the fused apply
+  over three steps and through ``update``."""
+  shapes = {"a": (8, 512), "b": (2, 3, 256), "c": (1024,), "d": (4, 256), "e": (3, 700),
+            "f": (37,)}
+  rng = np.random.default_rng(0)
+  params = {k: jnp.asarray(rng.standard_normal(s), jnp.float32) for k, s in shapes.items()}
+  grads = [{k: jnp.asarray(0.1 * rng.standard_normal(s),
+                           jnp.bfloat16 if k in "bd" else jnp.float32)
+            for k, s in shapes.items()} for _ in range(3)]
+  got = {}
+  for policy in ("group", "in-place"):
+    tx = getattr(optirs_jax, make)(
+      1e-2, weight_decay=weight_decay, state_quantization=fmt, min_8bit_size=1024,
+      backend="pallas", executor_options=optirs_jax.ExecutorOptions(large_leaf_policy=policy))
+    step = jax.jit(lambda p, s, g, tx=tx: optirs_jax.apply(tx, g, s, p))
+    jaxpr = str(jax.make_jaxpr(step)(params, tx.init(params), grads[0]))
+    kernel = "adam8bit" if fmt == "dynamic8" else "adam_fp8"
+    assert (f"name={kernel}_grouped" in jaxpr) == (policy == "group")
+    p, s = params, tx.init(params)
+    for g in grads:
+      p, s = step(p, s, g)
+    got[policy] = (p, s, jax.jit(tx.update)(grads[0], s, params))
+  chex.assert_trees_all_equal(got["group"], got["in-place"])
 
 
 def test_a_fresh_state_can_be_donated():

@@ -258,18 +258,21 @@ def test_every_coder_gives_the_table_coders_numbers_in_the_triton_kernels(coder)
   chex.assert_trees_all_equal((p_table, s_table), (p_coder, s_coder))
 
 
-@pytest.mark.parametrize("name", ["lion", "adamw"])
+@pytest.mark.parametrize("name", ["lion", "adamw", "adamw8bit"])
 @pytest.mark.parametrize("fmt", ["dynamic8", "fp8"])
 def test_quantized_grouped_launch_stores_what_a_launch_per_leaf_stores(name, fmt):
   """The 8-bit leaves' grouped Triton launch (one program per quantization block of every
-  leaf) against one Triton launch per leaf: the same math on the same blocks."""
+  leaf) against one Triton launch per leaf: the same math on the same blocks (the spec
+  builder's kernel, and 8-bit AdamW's own)."""
+  kernel = {"adamw8bit": {"dynamic8": "adam8bit", "fp8": "adam_fp8"}[fmt]}.get(
+    name, f"{name}_{fmt}")
   got = {}
   for policy in ("group", "in-place"):
     opts = optirs_jax.ExecutorOptions(large_leaf_policy=policy)
     got[policy], _, text = _three_steps_on_kernels_and_reference(
         lambda backend, opts=opts: getattr(optirs_jax, name)(
           1e-3, state_quantization=fmt, backend=backend, executor_options=opts))
-    assert (f"{name}_{fmt}_grouped" in text) == (policy == "group")
+    assert (f"{kernel}_grouped" in text) == (policy == "group")
   for a, b in zip(jax.tree.leaves(got["group"]), jax.tree.leaves(got["in-place"])):
     same = np.asarray(a) == np.asarray(b)
     assert same.all(), (a.shape, a.dtype, same.mean())

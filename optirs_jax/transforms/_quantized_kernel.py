@@ -185,8 +185,16 @@ def _in_place_aliases(op, n: int, extras, out_dtypes) -> dict[int, int]:
   return aliases
 
 
-def _grouped_body(h_ref, *refs, op: ElementwiseOp, call: GroupedCall, n_fields: int,
-                  n_extras: int, n_tail: int, signed, fmt: str, n_tables: int, coder: str):
+def _op_step(h_ref, g, fields, extras, tables, index, out_dtypes, *, op: ElementwiseOp,
+             signed, fmt: str, coder: str):
+  """:func:`block_step` of ``op`` as :func:`grouped_blocks` calls its ``step``."""
+  return block_step(op, read_hyper(h_ref, op.hyper), g, fields, extras, out_dtypes,
+                    signed=signed, fmt=fmt, tables=tables,
+                    index=index if op.indexed else None, coder=coder)
+
+
+def _grouped_body(h_ref, *refs, step, call: GroupedCall, n_fields: int, n_extras: int,
+                  n_tail: int, n_tables: int):
   leaves, bs = len(call.sizes), call.block_elems
   n_in, n_out = 1 + 2 * n_fields + n_extras, 1 + 2 * n_fields + n_tail
   ins, rest = refs[:leaves * n_in], refs[leaves * n_in:]
@@ -206,20 +214,19 @@ def _grouped_body(h_ref, *refs, op: ElementwiseOp, call: GroupedCall, n_fields: 
       [0] * n_in, outs=[outs_of(k) for k in range(lo, hi)],
       widths=[1 if j in scales else bs for j in range(n_in)])
     idx = local * bs + lane
-    out, new, tail = block_step(
-      op, read_hyper(h_ref, op.hyper), vals[0][None],
-      [(vals[1 + 2 * k][None], vals[2 + 2 * k][None]) for k in range(n_fields)],
-      [x[None] for x in vals[1 + 2 * n_fields:]],
-      (outs_of(lo)[0].dtype, *(r.dtype for r in outs_of(lo)[n_out - n_tail:])), signed=signed,
-      fmt=fmt,
-      tables=tables, index=idx.astype(jnp.uint32)[None] if op.indexed else None, coder=coder)
+    # The block stays 1-D ([bs] values, [1] scales): a reshape to [1, bs] had Triton
+    # convert the codes' layouts through shared memory.
+    out, new, tail = step(
+      h_ref, vals[0], [(vals[1 + 2 * k], vals[2 + 2 * k]) for k in range(n_fields)],
+      vals[1 + 2 * n_fields:], tables, idx.astype(jnp.uint32),
+      (outs_of(lo)[0].dtype, *(r.dtype for r in outs_of(lo)[n_out - n_tail:])))
     results = [out, *(x for pair in new for x in pair), *tail]
     starts = call.starts[lo:hi + 1]
     rows = lambda cols: [[outs_of(k)[j] for j in cols] for k in range(lo, hi)]
-    leaf_table.store(pid, starts, rows(data), idx, lane < bs, [results[j][0] for j in data],
+    leaf_table.store(pid, starts, rows(data), idx, lane < bs, [results[j] for j in data],
                      owner=owner)
     leaf_table.store(pid, starts, rows(scales), local[None], jnp.ones(1, bool),
-                     [results[j][0] for j in scales], owner=owner)
+                     [results[j] for j in scales], owner=owner)
 
   signatures = [tuple(jnp.dtype(r.dtype) for r in (*ins_of(k), *outs_of(k)))
                 for k in range(leaves)]
@@ -228,13 +235,22 @@ def _grouped_body(h_ref, *refs, op: ElementwiseOp, call: GroupedCall, n_fields: 
             lambda r: run(*runs[r]))
 
 
-def _grouped(op, hvec, leaves, out_dtypes, *, n_fields: int, signed, fmt: str,
-             block_size: int, platform: str, tiling: Tiling, coder: str, max_buffers: int):
+def grouped_blocks(step, hvec, leaves, out_dtypes, *, n_fields: int, fmt: str,
+                   block_size: int, platform: str, tiling: Tiling, max_buffers: int,
+                   in_place, name: str):
   """Leaves ``(g, codes, scales, ... per field, *extras)`` whose (local) last axes are whole
   numbers of blocks, in grouped launches (:mod:`optirs_jax.pallas.grouped`'s design: one
   program per quantization block of every leaf, which finds its leaf by a search over the
   static block offsets, :mod:`optirs_jax.pallas.leaf_table`): per leaf ``(out, codes,
-  scales, ... per field, *tail)``."""
+  scales, ... per field, *tail)`` (``out_dtypes``: per leaf, those outputs' dtypes).
+
+  Each program runs ``step(h_ref, g, fields, extras, tables, index, dtypes)`` on its block:
+  ``[block]`` arrays and per field ``(codes [block], scale [1])``; ``tables``: the dynamic
+  map's coder tables (refs), ``index``: the elements' ``uint32`` indices in the leaf,
+  ``dtypes``: the first output's and the tail's. It returns ``(out, [(codes, scale) per
+  field], [tail])``. ``in_place(extras, dtypes)``: a leaf's ``{input: output}`` positions
+  (among its operands and outputs, as :func:`_in_place_aliases`'s) updated in place;
+  ``max_buffers``: operand buffers a launch holds at most."""
   n_in = len(leaves[0])
   n_out = len(out_dtypes[0])
   n_extras, n_tail = n_in - 1 - 2 * n_fields, n_out - 1 - 2 * n_fields
@@ -255,15 +271,14 @@ def _grouped(op, hvec, leaves, out_dtypes, *, n_fields: int, signed, fmt: str,
                                   dt_row)]
     aliases = {}
     for k, leaf in enumerate(members):
-      for i, o in _in_place_aliases(op, n_fields, leaf[1 + 2 * n_fields:], dts[k]).items():
+      for i, o in in_place(leaf[1 + 2 * n_fields:], dts[k]).items():
         aliases[1 + k * n_in + i] = k * n_out + o
     whole = pl.BlockSpec()
     by_sizes = GroupedCall(leaves=tuple(range(len(call.sizes))), sizes=call.sizes,
                            starts=call.starts, block_elems=call.block_elems)
     got = pl.pallas_call(
-        functools.partial(_grouped_body, op=op, call=by_sizes, n_fields=n_fields,
-                          n_extras=n_extras, n_tail=n_tail, signed=tuple(signed), fmt=fmt,
-                          n_tables=len(tabs), coder=coder),
+        functools.partial(_grouped_body, step=step, call=by_sizes, n_fields=n_fields,
+                          n_extras=n_extras, n_tail=n_tail, n_tables=len(tabs)),
         out_shape=tuple(out_shape),
         grid=(call.num_blocks,),
         in_specs=([pl.BlockSpec((NHP,), lambda i: (0,))] + [whole] * len(flat)
@@ -272,7 +287,7 @@ def _grouped(op, hvec, leaves, out_dtypes, *, n_fields: int, signed, fmt: str,
         input_output_aliases=aliases,
         interpret=platform == "interpret",
         compiler_params=compiler_params(platform, tiling),
-        name=f"{op.name}_{fmt}_grouped",
+        name=name,
     )(hv, *flat, *tabs)
     for k, i in enumerate(call.leaves):
       leaf = leaves[i]
@@ -310,7 +325,7 @@ def _local(hvec, leaves, *, op, n_fields, signed, fmt, block_size, out_dtypes, p
   """Leaves ``(g, codes, scales, ... per field, *extras)`` on this device's shards: per leaf
   ``(out, codes, scales, ... per field)``. A kernel where the (local) last axis is a whole
   number of blocks and a kernel platform runs (with ``grouped`` and one block a program,
-  the grouped launches of :func:`_grouped`; else one launch a leaf); the jnp math on the
+  the grouped launches of :func:`grouped_blocks`; else one launch a leaf); the jnp math on the
   whole leaf elsewhere."""
   def where(leaf) -> str:
     g = leaf[0]
@@ -325,9 +340,12 @@ def _local(hvec, leaves, *, op, n_fields, signed, fmt, block_size, out_dtypes, p
   outs: list = [None] * len(leaves)
   if grouped and tiling.block_rows == 1 and (
       idx := [i for i, w in enumerate(places) if w != "jnp"]):
-    got = _grouped(op, hvec, [leaves[i] for i in idx], [out_dtypes[i] for i in idx],
-                   n_fields=n_fields, signed=signed, fmt=fmt, block_size=block_size,
-                   platform=platform, tiling=tiling, coder=coder, max_buffers=max_buffers)
+    step = functools.partial(_op_step, op=op, signed=tuple(signed), fmt=fmt, coder=coder)
+    got = grouped_blocks(step, hvec, [leaves[i] for i in idx], [out_dtypes[i] for i in idx],
+                         n_fields=n_fields, fmt=fmt, block_size=block_size,
+                         platform=platform, tiling=tiling, max_buffers=max_buffers,
+                         in_place=functools.partial(_in_place_aliases, op, n_fields),
+                         name=f"{op.name}_{fmt}_grouped")
     for i, r in zip(idx, got):
       outs[i] = r
   for i, (leaf, dts) in enumerate(zip(leaves, out_dtypes)):
