@@ -45,7 +45,7 @@ def _np_quantize(x: np.ndarray, signed: bool, block: int):
   for j, start in enumerate(starts):
     blk = x[..., start:start + block]
     m = np.abs(blk).max(axis=-1, keepdims=True)
-    a = blk * (np.float32(1) / np.where(m > 0, m, np.float32(1)))
+    a = blk * (np.float32(1) / np.where(m >= np.finfo(np.float32).tiny, m, np.float32(1)))
     out[..., start:start + block] = table[np.abs(a[..., None] - table).argmin(axis=-1)] * m
     absmax[..., j] = m[..., 0]
   return out, absmax

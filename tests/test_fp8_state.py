@@ -33,7 +33,7 @@ def _np_fp8(x: np.ndarray, block: int):
   for j, start in enumerate(starts):
     blk = x[..., start:start + block]
     m = np.abs(blk).max(axis=-1, keepdims=True)
-    inv = np.float32(1) / np.where(m > 0, m, np.float32(1))
+    inv = np.float32(1) / np.where(m >= np.finfo(np.float32).tiny, m, np.float32(1))
     c = ((blk * inv) * np.float32(448)).astype(F8)
     codes[..., start:start + block] = c
     values[..., start:start + block] = c.astype(np.float32) * np.float32(1 / 448) * m
@@ -157,4 +157,5 @@ def test_an_unknown_format_is_named():
     adamw8bit(1e-3, state_quantization="int4")
   with pytest.raises(ValueError, match=r"state_quantization='fp4' is not one of"):
     quantize_blockwise(jnp.ones(4), state_quantization="fp4")
+
 

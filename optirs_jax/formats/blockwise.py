@@ -8,7 +8,10 @@ times ``float32(1 / 448)`` times the absmax), torchao's ``AdamWFp8`` format; one
 conversion each way on GPUs of compute capability 8.9 or newer. Either format normalizes
 an element ``x`` as ``a = x * float32(1 / absmax)``: one division per block and a product
 per element (a division per element cost the 8-bit AdamW kernel 5% of its time on an
-H100); ``|a|`` may exceed 1 by an ulp, which both formats take as 1.
+H100); ``|a|`` may exceed 1 by an ulp, which both formats take as 1. A block whose absmax
+is below float32's smallest normal number (2^-126, whose reciprocal may overflow) keeps
+its absmax and stores zero codes, as a platform flushing subnormals to zero (XLA's CPU
+backend) stores it.
 
 The blocks run along the last axis: block ``j`` of a row holds its elements
 ``[j * block_size, (j + 1) * block_size)`` (the last block of a row may be shorter). So the
@@ -130,7 +133,8 @@ def quantize_blocks(x: jax.Array, signed: bool, fmt: str = "dynamic8", table=Non
   ``ExecutorOptions.dynamic_map_coder`` names them), or ``float8_e4m3fn(a * 448)``
   (rounded to nearest even)."""
   absmax = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
-  safe = jnp.where(absmax > 0, absmax, jnp.float32(1.0))
+  # A zero or subnormal absmax divides by 1: its elements are below every code but 0.
+  safe = jnp.where(absmax >= jnp.finfo(jnp.float32).tiny, absmax, jnp.float32(1.0))
   a = x * (jnp.float32(1) / safe)  # one division per block, not per element
   if fmt == "fp8":
     return (a * jnp.float32(FP8_MAX)).astype(FP8), absmax

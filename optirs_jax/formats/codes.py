@@ -86,7 +86,8 @@ _FINE_BITS = {SIGNED_BITS: 6, UNSIGNED_BITS: 7}  # mantissa bits of a bucket
 @functools.lru_cache
 def _thresholds(bits: int) -> np.ndarray:
   """``θ_c``: the least float32 ``a`` in ``(t_c, t_{c+1}]`` where ``t_{c+1} - a < a - t_c``
-  in float32 (a bisection over the floats' bit patterns), then ``inf`` for the top code."""
+  in float32 (a bisection over the floats' bit patterns), then NaN for the top code (no
+  float is at least it, infinity included: the encoder needs no clamp above)."""
   t = _magnitudes(bits)
   lo = t[:-1].view(np.int32).astype(np.int64)  # the test is false here ...
   hi = t[1:].view(np.int32).astype(np.int64)   # ... and true here
@@ -95,7 +96,7 @@ def _thresholds(bits: int) -> np.ndarray:
     a = mid.astype(np.int32).view(np.float32)
     up = (t[1:] - a) < (a - t[:-1])
     lo, hi = np.where(up, lo, mid), np.where(up, mid, hi)
-  return np.append(hi.astype(np.int32).view(np.float32), np.float32(np.inf))
+  return np.append(hi.astype(np.int32).view(np.float32), np.float32(np.nan))
 
 
 @functools.lru_cache
@@ -134,7 +135,7 @@ def _decades(bits: int) -> np.ndarray:
 
 def coder_table(bits: int) -> jax.Array:
   """The coders' constant table of the ``2^bits`` map: its magnitudes by code
-  (:func:`magnitude_table`), the thresholds ``θ_c`` (``inf`` after the last), each
+  (:func:`magnitude_table`), the thresholds ``θ_c`` (NaN after the last), each
   bucket's code, then the decades' constants ``hi_k`` and ``lo_k``, all float32
   (``2^(bits+1)`` + 1423 values for the signed map, + 3345 for the unsigned one).
 
@@ -211,8 +212,8 @@ def encode_magnitude(a: jax.Array, bits: int, table=None, coder: str = "table") 
     high = decode_magnitude(jnp.minimum(code + 1, top), bits, table, coder)
     above = (high - a < a - low) & (code < top)
     return code + above.astype(jnp.int32)
-  above = _lookup(table, code + (1 << bits)) <= a
-  return jnp.minimum(code + above.astype(jnp.int32), top)
+  above = _lookup(table, code + (1 << bits)) <= a  # false at the top code: θ is NaN there
+  return code + above.astype(jnp.int32)
 
 
 def encode_signed(x: jax.Array, table=None, coder: str = "table") -> jax.Array:
