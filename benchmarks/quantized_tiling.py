@@ -7,9 +7,9 @@ AdamW and Lion in the same process for scale.
 
 Each argument is a comma list (defaults ``1,2,4``, ``1,2,4``, every case, ``table`` and
 ``group``; the coders are ``ExecutorOptions.dynamic_map_coder``'s, the same codes either
-way; the policies ``ExecutorOptions.large_leaf_policy``'s: the spec builder's 8-bit leaves
-in grouped launches, ``group``, or one launch a leaf, ``in-place``). The cases:
-``adamw8bit`` in both formats (8-bit Adam's own kernel, one launch a leaf), ``adamw`` and
+way; the policies ``ExecutorOptions.large_leaf_policy``'s: the 8-bit leaves in grouped
+launches, ``group``, or one launch a leaf, ``in-place``). The cases:
+``adamw8bit`` in both formats (8-bit Adam's own kernel), ``adamw`` and
 ``lion`` with ``state_quantization`` ``"dynamic8"`` and ``"fp8"`` (the spec builder's
 quantized kernel). Kernel time from
 the profiler (:func:`optirs_jax.bench.timing.profile_steps`), 10 steps after 3 of warm-up;
@@ -77,12 +77,12 @@ def main(argv):
   for name in names:
     make, b = CASES[name]
     for c in coders if "dynamic8" in name else ["table"]:
-      for p in policies if not name.startswith("adamw8bit") else ["-"]:
+      for p in policies:
         for r in rows:
           for w in warps:
             options = ExecutorOptions(quantized_tiling=Tiling(block_rows=r, num_warps=w),
                                       dynamic_map_coder=c,
-                                      large_leaf_policy="group" if p == "-" else p)
+                                      large_leaf_policy=p)
             line(name, c, p, r, w, kernel_ms(make, options), b)
 
 
