@@ -254,11 +254,12 @@ def test_schedules_extra_args_and_bad_input():
 def test_cuda_export_carries_one_triton_kernel_for_the_8bit_leaves(make, policy):
   """Two 8-bit leaves of whole blocks: one grouped launch (one launch each with
   ``large_leaf_policy="in-place"``); the float32 leaves (b, b2): one grouped launch of
-  float32 Adam(W); an 8-bit leaf of a short block: the jnp math."""
+  float32 Adam(W); 8-bit leaves of a short block (odd) and of rows of one short block of
+  96, which is not a power of two (rows): the jnp math."""
   from tests.test_lowering import cuda_triton_calls
   tx = make(1e-3, executor_options=optirs_jax.ExecutorOptions(large_leaf_policy=policy))
   params = {"w": jnp.zeros((512, 768)), "e": jnp.zeros((1000, 256)), "b": jnp.zeros(768),
-            "b2": jnp.zeros(100), "odd": jnp.zeros((4097,))}
+            "b2": jnp.zeros(100), "odd": jnp.zeros((4097,)), "rows": jnp.zeros((64, 96))}
   step = lambda p, s, g: optirs_jax.apply(tx, g, s, p)
   assert cuda_triton_calls(step, params, tx.init(params), params) == {"group": 2,
                                                                        "in-place": 3}[policy]

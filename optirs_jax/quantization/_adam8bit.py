@@ -135,8 +135,11 @@ def _quantized_local(hvec, leaves, *, block_sizes, platform, l2, decoupled, fuse
   outs: list = [None] * len(leaves)
   h = read_hyper(hvec, _kernel8.hyper_names(prologue))
   kw = dict(l2=l2, decoupled=decoupled, fused=fused, fmt=fmt, prologue=prologue, coder=coder)
+  # (A row of one short block reads as a block of the row's length: Triton's blocks are
+  # powers of two.)
   kernel = [i for i, (leaf, bs) in enumerate(zip(leaves, block_sizes))
-            if platform != "jnp" and leaf[0].shape[-1] % bs == 0 and leaf[0].size]
+            if platform != "jnp" and leaf[0].shape[-1] % bs == 0 and leaf[0].size
+            and not (platform == "cuda" and bs & (bs - 1))]
   varying = platform == "interpret" and any(
     sharding.varying_axes(x) for i in kernel for x in leaves[i])
   if grouped and tiling.block_rows == 1 and kernel and not varying:
