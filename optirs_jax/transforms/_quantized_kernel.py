@@ -18,9 +18,15 @@ field costs its 8-bit codes (and 4 bytes per block) each way instead of a float3
 write plus an XLA decode and encode around the kernel: Lion moves 4 + 4 + 2 + 4 = 14 bytes
 per parameter on the fused apply instead of 20.
 
-The leaf is viewed as ``[blocks, block_size]`` rows (a free reshape where its last axis is
-a whole number of blocks, on each device its own shard: :func:`optirs_jax.pallas.sharding.
-run_local`); other leaves, and other platforms, run the same math in jnp on the whole leaf.
+The leaves whose (local) last axis is a whole number of blocks run in grouped launches
+(:func:`grouped_blocks`): one program per quantization block of every leaf of a launch,
+which finds its leaf's buffers by the leaf table's search over the static block offsets
+(:mod:`optirs_jax.pallas.leaf_table`) and reads its block flat, the scales one value per
+block, so GPT-2 small's 50 large leaves are five launches instead of fifty, each program
+the same work (``ExecutorOptions.large_leaf_policy="in-place"``, or more than one block a
+program, gives each leaf its own launch on ``[blocks, block_size]`` rows instead: the same
+numbers). On each device a leaf's own shard (:func:`optirs_jax.pallas.sharding.run_local`);
+other leaves, and other platforms, run the same math in jnp on the whole leaf.
 """
 
 from __future__ import annotations
