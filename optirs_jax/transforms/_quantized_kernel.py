@@ -229,6 +229,8 @@ def _grouped_body(h_ref, *refs, step, call: GroupedCall, n_fields: int, n_extras
     results = [out, *(x for pair in new for x in pair), *tail]
     starts = call.starts[lo:hi + 1]
     rows = lambda cols: [[outs_of(k)[j] for j in cols] for k in range(lo, hi)]
+    # Every block is whole (the leaves' last axes are whole numbers of blocks): no lane is
+    # masked, and each scale is the element ``local`` of its field's scales.
     leaf_table.store(pid, starts, rows(data), idx, lane < bs, [results[j] for j in data],
                      owner=owner)
     leaf_table.store(pid, starts, rows(scales), local[None], jnp.ones(1, bool),
