@@ -15,11 +15,9 @@ from jax.sharding import PartitionSpec as P
 from optirs_jax.formats.blockwise import (
   FP8,
   Quantized8bit,
-  as_row_blocks,
   check_block_size,
   check_format,
   format_of,
-  from_row_blocks,
   num_blocks,
 )
 from optirs_jax.fusion import NotFused
@@ -43,7 +41,6 @@ from optirs_jax.transforms._checks import (
   structure_mismatch,
   weight_decay_value,
 )
-from optirs_jax.transforms._quantized_kernel import grouped_blocks
 from optirs_jax.transforms.adam import AdamState
 from optirs_jax.transforms.adam import adam as _adam32
 from optirs_jax.transforms.adam import adamw as _adamw32
@@ -115,66 +112,6 @@ def _scales_like(x, block_size: int) -> jax.Array:
   return jnp.zeros(shape, jnp.float32, device=NamedSharding(placed.mesh, P(*entries)))
 
 
-def _adam_block(h_ref, g, fields, extras, tables, index, dtypes, **kw):
-  """8-bit Adam's block as :func:`~optirs_jax.transforms._quantized_kernel.grouped_blocks`
-  calls it: the params are the one extra operand."""
-  del index
-  h = read_hyper(h_ref, _kernel8.hyper_names(kw["prologue"]))
-  out, mc, ma, nc, na = _kernel8.block_step(h, extras[0], g, *fields[0], *fields[1], dtypes[0],
-                                            tables=tables, **kw)
-  return out, [(mc, ma), (nc, na)], []
-
-
-def _quantized_local(hvec, leaves, *, block_sizes, platform, l2, decoupled, fused, tiling,
-                     out_dtypes, fmt, prologue, coder, grouped=False, max_buffers=0):
-  """8-bit leaves ``(p, g, mu codes, mu scales, nu codes, nu scales)`` on this device's
-  shards: ``(out, mu codes, mu scales, nu codes, nu scales)`` each. A kernel where the
-  (local) last axis is a whole number of blocks and a kernel platform runs (with
-  ``grouped`` and one block a program, every such leaf of one block size in grouped
-  launches; else one launch a leaf); the jnp math on row blocks elsewhere."""
-  outs: list = [None] * len(leaves)
-  h = read_hyper(hvec, _kernel8.hyper_names(prologue))
-  kw = dict(l2=l2, decoupled=decoupled, fused=fused, fmt=fmt, prologue=prologue, coder=coder)
-  # (A row of one short block reads as a block of the row's length: Triton's blocks are
-  # powers of two.)
-  kernel = [i for i, (leaf, bs) in enumerate(zip(leaves, block_sizes))
-            if platform != "jnp" and leaf[0].shape[-1] % bs == 0 and leaf[0].size
-            and not (platform == "cuda" and bs & (bs - 1))]
-  varying = platform == "interpret" and any(
-    sharding.varying_axes(x) for i in kernel for x in leaves[i])
-  if grouped and tiling.block_rows == 1 and kernel and not varying:
-    for bs in sorted({block_sizes[i] for i in kernel}):
-      idx = [i for i in kernel if block_sizes[i] == bs]
-      in_place = lambda extras, dts: {j: j for j in range(1, 5)} | (
-        {5: 0} if fused and extras[0].dtype == dts[0] else {})
-      got = grouped_blocks(
-        functools.partial(_adam_block, **kw), hvec,
-        [(g, muc, mua, nuc, nua, p) for p, g, muc, mua, nuc, nua in (leaves[i] for i in idx)],
-        [out_dtypes[i] for i in idx], n_fields=2, fmt=fmt, block_size=bs, platform=platform,
-        tiling=tiling, max_buffers=max_buffers, in_place=in_place,
-        name="adam8bit_grouped" if fmt == "dynamic8" else "adam_fp8_grouped")
-      for i, r in zip(idx, got):
-        outs[i] = r
-  for i, ((p, g, muc, mua, nuc, nua), bs, dts) in enumerate(zip(leaves, block_sizes,
-                                                               out_dtypes)):
-    if outs[i] is not None:
-      continue
-    if platform != "jnp" and p.shape[-1] % bs == 0:
-      res = _kernel8.leaf_step(hvec, p.reshape(-1, bs), g.reshape(-1, bs),
-                               muc.reshape(-1, bs), mua.reshape(-1, 1), nuc.reshape(-1, bs),
-                               nua.reshape(-1, 1), dts[0], platform=platform, tiling=tiling,
-                               **kw)
-      outs[i] = tuple(y.reshape(x.shape) for y, x in zip(res, (p, muc, mua, nuc, nua)))
-      continue
-    p3, g3, mc3, nc3 = (as_row_blocks(x, bs) for x in (p, g, muc, nuc))
-    out, mc, ma, nc, na = _kernel8.block_step(h, p3, g3, mc3, mua[..., None], nc3,
-                                              nua[..., None], dts[0],
-                                              tables=_kernel8.tables_of(hvec), **kw)
-    outs[i] = (from_row_blocks(out, p.shape), from_row_blocks(mc, p.shape), ma[..., 0],
-               from_row_blocks(nc, p.shape), na[..., 0])
-  return outs, [()] * len(leaves)
-
-
 # 8-bit leaves in run_local: (p, g, mu codes, mu scales, nu codes, nu scales) in, (out, mu
 # codes, mu scales, nu codes, nu scales) out; the scales have a block per row element.
 _SCALES_IN, _SCALES_OUT = (3, 5), (2, 4)
@@ -183,7 +120,7 @@ _SCALES_IN, _SCALES_OUT = (3, 5), (2, 4)
 def _step_leaves(hvec, leaves, *, platform, l2, decoupled, fused, tiling, prologue=(),
                  coder="table", grouped=False, max_buffers=0):
   """Every leaf's ``(updates or new params, new mu, new nu)``: float32 moments by the jnp
-  math; 8-bit ones on each device's shards (:func:`_quantized_local`)."""
+  math; 8-bit ones on each device's shards (:func:`~._kernel8.local_step`)."""
   results: list = [None] * len(leaves)
   q_idx = []
   h = read_hyper(hvec, _kernel8.hyper_names(prologue))
@@ -205,7 +142,7 @@ def _step_leaves(hvec, leaves, *, platform, l2, decoupled, fused, tiling, prolog
     mu_dt, nu_dt = _code_dtypes(fmt)
     out_dtypes = [((p.dtype if fused else g.dtype), mu_dt, jnp.float32, nu_dt, jnp.float32)
                   for p, g, *_ in operands]
-    local = functools.partial(_quantized_local, block_sizes=[bs] * len(idx), platform=platform,
+    local = functools.partial(_kernel8.local_step, block_sizes=[bs] * len(idx), platform=platform,
                               l2=l2, decoupled=decoupled, fused=fused, tiling=tiling,
                               out_dtypes=out_dtypes, fmt=fmt, prologue=prologue, coder=coder,
                               grouped=grouped, max_buffers=max_buffers)
