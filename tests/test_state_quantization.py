@@ -181,6 +181,32 @@ def test_the_grouped_launch_stores_what_a_launch_per_leaf_stores(name, fmt):
   chex.assert_trees_all_equal(got["group"], got["in-place"])
 
 
+@pytest.mark.parametrize("name, kernel", [("lion", "lion_dynamic8"),
+                                          ("adamw8bit", "adam8bit")])
+def test_a_leaf_past_the_grouped_launchs_indices_takes_a_launch_of_its_own(
+    name, kernel, monkeypatch):
+  """The grouped launch indexes a leaf's elements in 32 bits: a larger leaf (here the limit
+  lowered to 3000 elements) runs in its own launch, the others grouped, the same numbers."""
+  from optirs_jax.transforms import _quantized_kernel
+  params = {"big": jnp.ones((16, 256)), "small": jnp.ones((8, 256)), "s2": jnp.ones((4, 256))}
+  grads = jax.tree.map(lambda x: 0.1 * x, params)
+  got = {}
+  for policy in ("group", "in-place"):
+    kw = {"min_8bit_size": 1024} if name == "adamw8bit" else {
+      "state_quantization": "dynamic8", "min_quantized_size": 1024}
+    tx = getattr(optirs_jax, name)(
+      1e-2, backend="pallas", **kw,
+      executor_options=optirs_jax.ExecutorOptions(large_leaf_policy=policy))
+    step = jax.jit(lambda p, s, g, tx=tx: optirs_jax.apply(tx, g, s, p))
+    if policy == "group":
+      monkeypatch.setattr(_quantized_kernel, "MAX_GROUPED_LEAF_ELEMENTS", 3000)
+      jaxpr = str(jax.make_jaxpr(step)(params, tx.init(params), grads))
+      grouped = jaxpr.count(f"name={kernel}_grouped")
+      assert grouped == 1 and jaxpr.count(f"name={kernel}") > grouped
+    got[policy] = step(params, tx.init(params), grads)
+  chex.assert_trees_all_equal(got["group"], got["in-place"])
+
+
 def test_every_leaf_quantized_but_an_empty_one():
   tx = optirs_jax.adamw(1e-3, state_quantization="dynamic8", min_quantized_size=0)
   params = {"w": jnp.ones((3, 5)), "s": jnp.ones(()), "empty": jnp.ones((0, 4))}

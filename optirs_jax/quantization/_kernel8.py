@@ -29,6 +29,7 @@ from optirs_jax.pallas import sharding
 from optirs_jax.pallas.op import NHP, Hyper, read_hyper
 from optirs_jax.pallas.options import DEFAULT_OPTIONS, Tiling
 from optirs_jax.spec import apply_prologue, prologue_names
+from optirs_jax.transforms import _quantized_kernel
 from optirs_jax.transforms._quantized_kernel import (
   grouped_blocks,
   rows_per_program,
@@ -179,7 +180,11 @@ def local_step(hvec, leaves, *, block_sizes, platform, l2, decoupled, fused, til
     sharding.varying_axes(x) for i in kernel for x in leaves[i])
   if grouped and tiling.block_rows == 1 and kernel and not varying:
     for bs in sorted({block_sizes[i] for i in kernel}):
-      idx = [i for i in kernel if block_sizes[i] == bs]
+      # (A leaf past the grouped launch's 32-bit element indices takes a launch of its own.)
+      idx = [i for i in kernel if block_sizes[i] == bs
+             and leaves[i][0].size <= _quantized_kernel.MAX_GROUPED_LEAF_ELEMENTS]
+      if not idx:
+        continue
       in_place = lambda extras, dts: {j: j for j in range(1, 5)} | (
         {5: 0} if fused and extras[0].dtype == dts[0] else {})
       got = grouped_blocks(

@@ -51,7 +51,11 @@ from optirs_jax.pallas.grouped import dtype_runs, for_owner
 from optirs_jax.pallas.kernel import block_index, compiler_params
 from optirs_jax.pallas.op import NHP, ElementwiseOp, block_math, hyper_vector, read_hyper
 from optirs_jax.pallas.options import Tiling
-from optirs_jax.planning.layout import GroupedCall, plan_grouped_calls
+from optirs_jax.planning.layout import (
+  MAX_GROUPED_LEAF_ELEMENTS,
+  GroupedCall,
+  plan_grouped_calls,
+)
 
 
 def rows_per_program(num_blocks: int, most: int) -> int:
@@ -346,8 +350,10 @@ def _local(hvec, leaves, *, op, n_fields, signed, fmt, block_size, out_dtypes, p
 
   places = [where(leaf) for leaf in leaves]
   outs: list = [None] * len(leaves)
+  # A leaf past the grouped launch's 32-bit element indices takes a launch of its own.
   if grouped and tiling.block_rows == 1 and (
-      idx := [i for i, w in enumerate(places) if w != "jnp"]):
+      idx := [i for i, w in enumerate(places)
+              if w != "jnp" and leaves[i][0].size <= MAX_GROUPED_LEAF_ELEMENTS]):
     step = functools.partial(_op_step, op=op, signed=tuple(signed), fmt=fmt, coder=coder)
     got = grouped_blocks(step, hvec, [leaves[i] for i in idx], [out_dtypes[i] for i in idx],
                          n_fields=n_fields, fmt=fmt, block_size=block_size,
