@@ -79,3 +79,19 @@ def nearest_codes(a, table):
   m0 = np.searchsorted(table, a, side="right") - 1
   m1 = np.minimum(m0 + 1, len(table) - 1)
   return np.where(table[m1] - a < a - table[m0], m1, m0)
+
+
+def whole_block_trees(steps: int = 3):
+  """``(params, [grads] * steps)`` for the grouped 8-bit launches' tests: leaves of several
+  sizes whose last axes are whole blocks of 256 ("a" to "d"), one of a short last block
+  ("e", the jnp math) and a small one ("f", float32 state); gradients in float32 and, on
+  "b" and "d", bfloat16 (two runs of dtypes in one launch)."""
+  import numpy as np
+  shapes = {"a": (8, 512), "b": (2, 3, 256), "c": (1024,), "d": (4, 256), "e": (3, 700),
+            "f": (37,)}
+  rng = np.random.default_rng(0)
+  params = {k: jnp.asarray(rng.standard_normal(s), jnp.float32) for k, s in shapes.items()}
+  grads = [{k: jnp.asarray(0.1 * rng.standard_normal(s),
+                           jnp.bfloat16 if k in "bd" else jnp.float32)
+            for k, s in shapes.items()} for _ in range(steps)]
+  return params, grads

@@ -16,7 +16,7 @@ from optirs_jax.quantization import (
   quantize_blockwise,
   state_nbytes,
 )
-from tests.states import assert_quantized_close, nearest_codes
+from tests.states import assert_quantized_close, nearest_codes, whole_block_trees
 
 
 def _np_map(signed: bool) -> np.ndarray:
@@ -274,13 +274,7 @@ def test_the_grouped_launch_stores_what_a_launch_per_leaf_stores(make, fmt, weig
   """The 8-bit leaves of whole blocks share one grouped launch (leaves of several sizes,
   float32 and bfloat16 gradients), with the bits of one launch a leaf, on the fused apply
   over three steps and through ``update``."""
-  shapes = {"a": (8, 512), "b": (2, 3, 256), "c": (1024,), "d": (4, 256), "e": (3, 700),
-            "f": (37,)}
-  rng = np.random.default_rng(0)
-  params = {k: jnp.asarray(rng.standard_normal(s), jnp.float32) for k, s in shapes.items()}
-  grads = [{k: jnp.asarray(0.1 * rng.standard_normal(s),
-                           jnp.bfloat16 if k in "bd" else jnp.float32)
-            for k, s in shapes.items()} for _ in range(3)]
+  params, grads = whole_block_trees()
   got = {}
   for policy in ("group", "in-place"):
     tx = getattr(optirs_jax, make)(

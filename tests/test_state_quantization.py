@@ -20,7 +20,7 @@ import optirs_jax
 from optirs_jax import mixed_precision as mp
 from optirs_jax.quantization import Quantized8bit, quantize_blockwise, state_nbytes
 from optirs_jax.transforms import REGISTRY
-from tests.states import assert_quantized_close
+from tests.states import assert_quantized_close, whole_block_trees
 from tests.test_adam8bit import _np_quantize
 from tests.test_fp8_state import _np_fp8
 
@@ -158,12 +158,7 @@ def test_the_grouped_launch_stores_what_a_launch_per_leaf_stores(name, fmt):
   """The whole-block leaves of one format share one grouped launch (leaves of several sizes,
   float32 and bfloat16 gradients: two runs of dtypes), and give the bits of one launch a
   leaf (``large_leaf_policy="in-place"``) on the fused apply, over three steps."""
-  shapes = {"a": (8, 512), "b": (2, 3, 256), "c": (1024,), "d": (4, 256), "e": (3, 700)}
-  rng = np.random.default_rng(0)
-  params = {k: jnp.asarray(rng.standard_normal(s), jnp.float32) for k, s in shapes.items()}
-  grads = [{k: jnp.asarray(0.1 * rng.standard_normal(s),
-                           jnp.bfloat16 if k in "bd" else jnp.float32)
-            for k, s in shapes.items()} for _ in range(3)]
+  params, grads = whole_block_trees()
   got = {}
   for policy in ("group", "in-place"):
     tx = getattr(optirs_jax, name)(
@@ -187,7 +182,7 @@ def test_a_leaf_past_the_grouped_launchs_indices_takes_a_launch_of_its_own(
     name, kernel, monkeypatch):
   """The grouped launch indexes a leaf's elements in 32 bits: a larger leaf (here the limit
   lowered to 3000 elements) runs in its own launch, the others grouped, the same numbers."""
-  from optirs_jax.transforms import _quantized_kernel
+  from optirs_jax.transforms import _quantized_launch
   params = {"big": jnp.ones((16, 256)), "small": jnp.ones((8, 256)), "s2": jnp.ones((4, 256))}
   grads = jax.tree.map(lambda x: 0.1 * x, params)
   got = {}
@@ -199,7 +194,7 @@ def test_a_leaf_past_the_grouped_launchs_indices_takes_a_launch_of_its_own(
       executor_options=optirs_jax.ExecutorOptions(large_leaf_policy=policy))
     step = jax.jit(lambda p, s, g, tx=tx: optirs_jax.apply(tx, g, s, p))
     if policy == "group":
-      monkeypatch.setattr(_quantized_kernel, "MAX_GROUPED_LEAF_ELEMENTS", 3000)
+      monkeypatch.setattr(_quantized_launch, "MAX_GROUPED_LEAF_ELEMENTS", 3000)
       jaxpr = str(jax.make_jaxpr(step)(params, tx.init(params), grads))
       grouped = jaxpr.count(f"name={kernel}_grouped")
       assert grouped == 1 and jaxpr.count(f"name={kernel}") > grouped

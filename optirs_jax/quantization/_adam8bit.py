@@ -142,7 +142,7 @@ def _step_leaves(hvec, leaves, *, platform, l2, decoupled, fused, tiling, prolog
     mu_dt, nu_dt = _code_dtypes(fmt)
     out_dtypes = [((p.dtype if fused else g.dtype), mu_dt, jnp.float32, nu_dt, jnp.float32)
                   for p, g, *_ in operands]
-    local = functools.partial(_kernel8.local_step, block_sizes=[bs] * len(idx), platform=platform,
+    local = functools.partial(_kernel8.local_step, block_size=bs, platform=platform,
                               l2=l2, decoupled=decoupled, fused=fused, tiling=tiling,
                               out_dtypes=out_dtypes, fmt=fmt, prologue=prologue, coder=coder,
                               grouped=grouped, max_buffers=max_buffers)

@@ -2,7 +2,7 @@
 and write the updates (or the new params) — as a Pallas kernel, or in jnp on whole leaves.
 
 The leaves whose last axis is a whole number of blocks share grouped launches
-(:func:`local_step`, through :func:`~optirs_jax.transforms._quantized_kernel.grouped_blocks`:
+(:func:`local_step`, through :func:`~optirs_jax.transforms._quantized_launch.grouped_blocks`:
 one program per block of every leaf). With ``ExecutorOptions.large_leaf_policy="in-place"``
 or more than one block a program, each leaf is its own launch (:func:`leaf_step`), viewed as
 ``[num_blocks, block_size]`` rows (a free reshape when its size is a multiple of the
@@ -29,9 +29,10 @@ from optirs_jax.pallas import sharding
 from optirs_jax.pallas.op import NHP, Hyper, read_hyper
 from optirs_jax.pallas.options import DEFAULT_OPTIONS, Tiling
 from optirs_jax.spec import apply_prologue, prologue_names
-from optirs_jax.transforms import _quantized_kernel
-from optirs_jax.transforms._quantized_kernel import (
+from optirs_jax.transforms._quantized_launch import (
   grouped_blocks,
+  grouped_members,
+  kernel_place,
   rows_per_program,
   tables_of,
   with_tables,
@@ -152,7 +153,7 @@ def leaf_step(hvec, p2, g2, muc, mua, nuc, nua, out_dtype, *, platform: str, l2:
 
 
 def _adam_block(h_ref, g, fields, extras, tables, index, dtypes, **kw):
-  """8-bit Adam's block as :func:`~optirs_jax.transforms._quantized_kernel.grouped_blocks`
+  """8-bit Adam's block as :func:`~optirs_jax.transforms._quantized_launch.grouped_blocks`
   calls it: the params are the one extra operand."""
   del index
   h = read_hyper(h_ref, hyper_names(kw["prologue"]))
@@ -161,48 +162,36 @@ def _adam_block(h_ref, g, fields, extras, tables, index, dtypes, **kw):
   return out, [(mc, ma), (nc, na)], []
 
 
-def local_step(hvec, leaves, *, block_sizes, platform, l2, decoupled, fused, tiling,
+def local_step(hvec, leaves, *, block_size, platform, l2, decoupled, fused, tiling,
                out_dtypes, fmt, prologue, coder, grouped=False, max_buffers=0):
-  """8-bit leaves ``(p, g, mu codes, mu scales, nu codes, nu scales)`` on this device's
-  shards: ``(out, mu codes, mu scales, nu codes, nu scales)`` each. A kernel where the
-  (local) last axis is a whole number of blocks and a kernel platform runs (with
-  ``grouped`` and one block a program, every such leaf of one block size in grouped
-  launches; else one launch a leaf); the jnp math on row blocks elsewhere."""
+  """8-bit leaves ``(p, g, mu codes, mu scales, nu codes, nu scales)`` of one block size on
+  this device's shards: ``(out, mu codes, mu scales, nu codes, nu scales)`` each. A kernel
+  where :func:`~optirs_jax.transforms._quantized_launch.kernel_place` says so (with
+  ``grouped`` and one block a program, in grouped launches; else one launch a leaf); the
+  jnp math on row blocks elsewhere."""
   outs: list = [None] * len(leaves)
   h = read_hyper(hvec, hyper_names(prologue))
   kw = dict(l2=l2, decoupled=decoupled, fused=fused, fmt=fmt, prologue=prologue, coder=coder)
-  # (A row of one short block reads as a block of the row's length: Triton's blocks are
-  # powers of two.)
-  kernel = [i for i, (leaf, bs) in enumerate(zip(leaves, block_sizes))
-            if platform != "jnp" and leaf[0].shape[-1] % bs == 0 and leaf[0].size
-            and not (platform == "cuda" and bs & (bs - 1))]
-  varying = platform == "interpret" and any(
-    sharding.varying_axes(x) for i in kernel for x in leaves[i])
-  if grouped and tiling.block_rows == 1 and kernel and not varying:
-    for bs in sorted({block_sizes[i] for i in kernel}):
-      # (A leaf past the grouped launch's 32-bit element indices takes a launch of its own.)
-      idx = [i for i in kernel if block_sizes[i] == bs
-             and leaves[i][0].size <= _quantized_kernel.MAX_GROUPED_LEAF_ELEMENTS]
-      if not idx:
-        continue
-      in_place = lambda extras, dts: {j: j for j in range(1, 5)} | (
-        {5: 0} if fused and extras[0].dtype == dts[0] else {})
-      got = grouped_blocks(
-        functools.partial(_adam_block, **kw), hvec,
-        [(g, muc, mua, nuc, nua, p) for p, g, muc, mua, nuc, nua in (leaves[i] for i in idx)],
-        [out_dtypes[i] for i in idx], n_fields=2, fmt=fmt, block_size=bs, platform=platform,
-        tiling=tiling, max_buffers=max_buffers, in_place=in_place,
-        name="adam8bit_grouped" if fmt == "dynamic8" else "adam_fp8_grouped")
-      for i, r in zip(idx, got):
-        outs[i] = r
-  for i, ((p, g, muc, mua, nuc, nua), bs, dts) in enumerate(zip(leaves, block_sizes,
-                                                               out_dtypes)):
+  places = [kernel_place(leaf, block_size, platform) for leaf in leaves]
+  if idx := grouped_members(leaves, places, grouped=grouped, tiling=tiling):
+    in_place = lambda extras, dts: {j: j for j in range(1, 5)} | (
+      {5: 0} if fused and extras[0].dtype == dts[0] else {})
+    got = grouped_blocks(
+      functools.partial(_adam_block, **kw), hvec,
+      [(g, muc, mua, nuc, nua, p) for p, g, muc, mua, nuc, nua in (leaves[i] for i in idx)],
+      [out_dtypes[i] for i in idx], n_fields=2, fmt=fmt, block_size=block_size,
+      platform=platform, tiling=tiling, max_buffers=max_buffers, in_place=in_place,
+      name="adam8bit_grouped" if fmt == "dynamic8" else "adam_fp8_grouped")
+    for i, r in zip(idx, got):
+      outs[i] = r
+  bs = block_size
+  for i, ((p, g, muc, mua, nuc, nua), dts) in enumerate(zip(leaves, out_dtypes)):
     if outs[i] is not None:
       continue
-    if platform != "jnp" and p.shape[-1] % bs == 0:
+    if places[i] != "jnp":
       res = leaf_step(hvec, p.reshape(-1, bs), g.reshape(-1, bs), muc.reshape(-1, bs),
                       mua.reshape(-1, 1), nuc.reshape(-1, bs), nua.reshape(-1, 1), dts[0],
-                      platform=platform, tiling=tiling, **kw)
+                      platform=places[i], tiling=tiling, **kw)
       outs[i] = tuple(y.reshape(x.shape) for y, x in zip(res, (p, muc, mua, nuc, nua)))
       continue
     p3, g3, mc3, nc3 = (as_row_blocks(x, bs) for x in (p, g, muc, nuc))

@@ -19,12 +19,9 @@ write plus an XLA decode and encode around the kernel: Lion moves 4 + 4 + 2 + 4 
 per parameter on the fused apply instead of 20.
 
 The leaves whose (local) last axis is a whole number of blocks run in grouped launches
-(:func:`grouped_blocks`): one program per quantization block of every leaf of a launch,
-which finds its leaf's buffers by the leaf table's search over the static block offsets
-(:mod:`optirs_jax.pallas.leaf_table`) and reads its block flat, the scales one value per
-block, so GPT-2 small's 50 large leaves are five launches instead of fifty, each program
-the same work (``ExecutorOptions.large_leaf_policy="in-place"``, or more than one block a
-program, gives each leaf its own launch on ``[blocks, block_size]`` rows instead: the same
+(:func:`~._quantized_launch.grouped_blocks`: one program per quantization block of every
+leaf of a launch); ``ExecutorOptions.large_leaf_policy="in-place"``, or more than one block
+a program, gives each leaf its own launch on ``[blocks, block_size]`` rows instead (the same
 numbers). On each device a leaf's own shard (:func:`optirs_jax.pallas.sharding.run_local`);
 other leaves, and other platforms, run the same math in jnp on the whole leaf.
 """
@@ -34,7 +31,6 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 
-import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
@@ -45,36 +41,18 @@ from optirs_jax.formats.blockwise import (
   from_row_blocks,
   quantize_blocks,
 )
-from optirs_jax.formats.codes import SIGNED_BITS, UNSIGNED_BITS, coder_table, coder_table_size
-from optirs_jax.pallas import lazy_branches, leaf_table, sharding
-from optirs_jax.pallas.grouped import dtype_runs, for_owner
+from optirs_jax.pallas import lazy_branches, sharding
 from optirs_jax.pallas.kernel import block_index, compiler_params
 from optirs_jax.pallas.op import NHP, ElementwiseOp, block_math, hyper_vector, read_hyper
 from optirs_jax.pallas.options import Tiling
-from optirs_jax.planning.layout import (
-  MAX_GROUPED_LEAF_ELEMENTS,
-  GroupedCall,
-  plan_grouped_calls,
+from optirs_jax.transforms._quantized_launch import (
+  grouped_blocks,
+  grouped_members,
+  kernel_place,
+  rows_per_program,
+  tables_of,
+  with_tables,
 )
-
-
-def rows_per_program(num_blocks: int, most: int) -> int:
-  """The largest power of two up to ``most`` and ``num_blocks`` (Triton blocks are powers
-  of two)."""
-  return max(1, min(1 << (most.bit_length() - 1), 1 << (num_blocks.bit_length() - 1)))
-
-
-def with_tables(hvec: jax.Array) -> jax.Array:
-  """A step's vector: its ``NHP`` scalars, then the signed and unsigned dynamic maps'
-  coder tables (:func:`~optirs_jax.formats.codes.coder_table`: constants carried in the
-  one operand every call takes, so a partitioned call captures no constant)."""
-  return jnp.concatenate([hvec[:NHP], coder_table(SIGNED_BITS), coder_table(UNSIGNED_BITS)])
-
-
-def tables_of(hvec) -> tuple[jax.Array, jax.Array]:
-  """``(signed map, unsigned map)`` coder tables of a :func:`with_tables` vector."""
-  n, m = coder_table_size(SIGNED_BITS), coder_table_size(UNSIGNED_BITS)
-  return hvec[NHP:NHP + n], hvec[NHP + n:NHP + n + m]
 
 
 def block_step(op: ElementwiseOp, h, g, fields, extras, out_dtypes, *,
@@ -203,113 +181,6 @@ def _op_step(h_ref, g, fields, extras, tables, index, out_dtypes, *, op: Element
                     index=index if op.indexed else None, coder=coder)
 
 
-def _grouped_body(h_ref, *refs, step, call: GroupedCall, n_fields: int, n_extras: int,
-                  n_tail: int, n_tables: int):
-  leaves, bs = len(call.sizes), call.block_elems
-  n_in, n_out = 1 + 2 * n_fields + n_extras, 1 + 2 * n_fields + n_tail
-  ins, rest = refs[:leaves * n_in], refs[leaves * n_in:]
-  tables = tuple(rest[:n_tables]) if n_tables else (None, None)
-  outs = rest[n_tables:]
-  ins_of = lambda k: ins[k * n_in:(k + 1) * n_in]
-  outs_of = lambda k: outs[k * n_out:(k + 1) * n_out]
-  scales = [2 + 2 * k for k in range(n_fields)]  # the fields' scales, in and out
-  data = [j for j in range(n_out) if j not in scales]
-  pid = pl.program_id(0)
-  lane = jnp.arange(bs, dtype=jnp.int32)
-
-  def run(lo: int, hi: int):
-    # One search finds the leaf's pointers; its block of each operand (one scale a field).
-    local, _, vals, owner = leaf_table.load(
-      pid, call.starts[lo:hi + 1], call.sizes[lo:hi], bs, [ins_of(k) for k in range(lo, hi)],
-      [0] * n_in, outs=[outs_of(k) for k in range(lo, hi)],
-      widths=[1 if j in scales else bs for j in range(n_in)])
-    idx = local * bs + lane
-    # The block stays 1-D ([bs] values, [1] scales): a reshape to [1, bs] had Triton
-    # convert the codes' layouts through shared memory.
-    out, new, tail = step(
-      h_ref, vals[0], [(vals[1 + 2 * k], vals[2 + 2 * k]) for k in range(n_fields)],
-      vals[1 + 2 * n_fields:], tables, idx.astype(jnp.uint32),
-      (outs_of(lo)[0].dtype, *(r.dtype for r in outs_of(lo)[n_out - n_tail:])))
-    results = [out, *(x for pair in new for x in pair), *tail]
-    starts = call.starts[lo:hi + 1]
-    rows = lambda cols: [[outs_of(k)[j] for j in cols] for k in range(lo, hi)]
-    # Every block is whole (the leaves' last axes are whole numbers of blocks): no lane is
-    # masked, and each scale is the element ``local`` of its field's scales.
-    leaf_table.store(pid, starts, rows(data), idx, lane < bs, [results[j] for j in data],
-                     owner=owner)
-    leaf_table.store(pid, starts, rows(scales), local[None], jnp.ones(1, bool),
-                     [results[j] for j in scales], owner=owner)
-
-  signatures = [tuple(jnp.dtype(r.dtype) for r in (*ins_of(k), *outs_of(k)))
-                for k in range(leaves)]
-  runs = dtype_runs(signatures)
-  for_owner(pid, [call.starts[lo] for lo, _ in runs] + [call.starts[-1]],
-            lambda r: run(*runs[r]))
-
-
-def grouped_blocks(step, hvec, leaves, out_dtypes, *, n_fields: int, fmt: str,
-                   block_size: int, platform: str, tiling: Tiling, max_buffers: int,
-                   in_place, name: str):
-  """Leaves ``(g, codes, scales, ... per field, *extras)`` whose (local) last axes are whole
-  numbers of blocks, in grouped launches (:mod:`optirs_jax.pallas.grouped`'s design: one
-  program per quantization block of every leaf, which finds its leaf by a search over the
-  static block offsets, :mod:`optirs_jax.pallas.leaf_table`): per leaf ``(out, codes,
-  scales, ... per field, *tail)`` (``out_dtypes``: per leaf, those outputs' dtypes).
-
-  Each program runs ``step(h_ref, g, fields, extras, tables, index, dtypes)`` on its block:
-  ``[block]`` arrays and per field ``(codes [block], scale [1])``; ``tables``: the dynamic
-  map's coder tables (refs), ``index``: the elements' ``uint32`` indices in the leaf,
-  ``dtypes``: the first output's and the tail's. It returns ``(out, [(codes, scale) per
-  field], [tail])``. ``in_place(extras, dtypes)``: a leaf's ``{input: output}`` positions
-  (among its operands and outputs, as :func:`_in_place_aliases`'s) updated in place;
-  ``max_buffers``: operand buffers a launch holds at most."""
-  n_in = len(leaves[0])
-  n_out = len(out_dtypes[0])
-  n_extras, n_tail = n_in - 1 - 2 * n_fields, n_out - 1 - 2 * n_fields
-  tables = tables_of(hvec) if fmt == "dynamic8" else ()
-  calls = plan_grouped_calls([leaf[0].size for leaf in leaves], block_elems=block_size,
-                             operands_per_leaf=n_in + n_out,
-                             max_pointers=max(n_in + n_out, max_buffers - len(tables)))
-  results: list = [None] * len(leaves)
-  for call in calls:
-    members = [leaves[i] for i in call.leaves]
-    dts = [out_dtypes[i] for i in call.leaves]
-    flat = [x.reshape(-1) for leaf in members for x in leaf]
-    hv, *rest = sharding.vary_alike((hvec, *flat, *tables))
-    flat, tabs = rest[:len(flat)], rest[len(flat):]
-    out_shape = [sharding.out_struct(flat[k * n_in], (x.size,), dt)
-                 for k, (leaf, dt_row) in enumerate(zip(members, dts))
-                 for x, dt in zip((leaf[0], *leaf[1:1 + 2 * n_fields], *([leaf[0]] * n_tail)),
-                                  dt_row)]
-    aliases = {}
-    for k, leaf in enumerate(members):
-      for i, o in in_place(leaf[1 + 2 * n_fields:], dts[k]).items():
-        aliases[1 + k * n_in + i] = k * n_out + o
-    whole = pl.BlockSpec()
-    by_sizes = GroupedCall(leaves=tuple(range(len(call.sizes))), sizes=call.sizes,
-                           starts=call.starts, block_elems=call.block_elems)
-    got = pl.pallas_call(
-        functools.partial(_grouped_body, step=step, call=by_sizes, n_fields=n_fields,
-                          n_extras=n_extras, n_tail=n_tail, n_tables=len(tabs)),
-        out_shape=tuple(out_shape),
-        grid=(call.num_blocks,),
-        in_specs=([pl.BlockSpec((NHP,), lambda i: (0,))] + [whole] * len(flat)
-                  + [pl.BlockSpec(t.shape, lambda i: (0,)) for t in tabs]),
-        out_specs=tuple([whole] * len(out_shape)),
-        input_output_aliases=aliases,
-        interpret=platform == "interpret",
-        compiler_params=compiler_params(platform, tiling),
-        name=name,
-    )(hv, *flat, *tabs)
-    for k, i in enumerate(call.leaves):
-      leaf = leaves[i]
-      shapes = (leaf[0].shape, *(x.shape for x in leaf[1:1 + 2 * n_fields]),
-                *([leaf[0].shape] * n_tail))
-      results[i] = tuple(y.reshape(shape) for y, shape in
-                         zip(got[k * n_out:(k + 1) * n_out], shapes))
-  return results
-
-
 def _whole(op, hvec, g, fields, extras, out_dtypes, *, signed, fmt, block_size: int,
            coder: str):
   """One leaf in jnp: the fields decoded whole, the rule on the flat leaf, each new field
@@ -339,21 +210,9 @@ def _local(hvec, leaves, *, op, n_fields, signed, fmt, block_size, out_dtypes, p
   number of blocks and a kernel platform runs (with ``grouped`` and one block a program,
   the grouped launches of :func:`grouped_blocks`; else one launch a leaf); the jnp math on the
   whole leaf elsewhere."""
-  def where(leaf) -> str:
-    g = leaf[0]
-    if platform == "interpret" and any(sharding.varying_axes(x) for x in leaf):
-      return "jnp"  # Pallas' interpreter cannot check varying axes inside a shard_map
-    if (platform == "jnp" or g.ndim == 0 or g.size == 0 or g.shape[-1] % block_size
-        or (platform == "cuda" and block_size & (block_size - 1))):  # Triton: powers of two
-      return "jnp"
-    return platform
-
-  places = [where(leaf) for leaf in leaves]
+  places = [kernel_place(leaf, block_size, platform) for leaf in leaves]
   outs: list = [None] * len(leaves)
-  # A leaf past the grouped launch's 32-bit element indices takes a launch of its own.
-  if grouped and tiling.block_rows == 1 and (
-      idx := [i for i, w in enumerate(places)
-              if w != "jnp" and leaves[i][0].size <= MAX_GROUPED_LEAF_ELEMENTS]):
+  if idx := grouped_members(leaves, places, grouped=grouped, tiling=tiling):
     step = functools.partial(_op_step, op=op, signed=tuple(signed), fmt=fmt, coder=coder)
     got = grouped_blocks(step, hvec, [leaves[i] for i in idx], [out_dtypes[i] for i in idx],
                          n_fields=n_fields, fmt=fmt, block_size=block_size,
