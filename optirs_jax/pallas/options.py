@@ -92,8 +92,8 @@ class ExecutorOptions:
       (``"in-place"``). The same for the leaves of 8-bit state (``state_quantization``,
       :func:`~optirs_jax.adamw8bit`): ``"group"`` puts those of one format and block size
       in grouped launches of one quantization block a program (GPT-2 small on an H100, run
-      78: ``adamw8bit`` 0.768 ms, 85.3% of copy, against 0.886 ms with a launch a leaf;
-      fp8 0.668 against 0.778), ``"in-place"`` gives each its own launch; the same numbers
+      75: ``adamw8bit`` 0.768 ms, 85.4% of copy, against 0.886 ms with a launch a leaf;
+      fp8 0.669 against 0.778), ``"in-place"`` gives each its own launch; the same numbers
       either way.
     solo_min_blocks: a leaf of at least this many blocks (and a whole number of lanes) is
       large: it runs in place instead of being packed.

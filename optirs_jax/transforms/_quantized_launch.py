@@ -7,7 +7,7 @@ launch finds the leaf owning it by the leaf table's search over the static block
 do), loads its block of each operand and one scale per 8-bit field, runs the caller's
 ``step`` on the block and stores the results through the pointers the search found. GPT-2
 small's 50 large leaves are five launches instead of fifty, each program the same work
-(on an H100, ``adamw8bit`` 0.886 ms a launch a leaf, 0.768 grouped: run 78). Both 8-bit
+(on an H100, ``adamw8bit`` 0.886 ms a launch a leaf, 0.768 grouped: run 75). Both 8-bit
 kernels use it: the spec builder's (:mod:`._quantized_kernel`) and 8-bit Adam's
 (:mod:`optirs_jax.quantization._kernel8`). Also the constants' vector both carry (the dynamic
 maps' coder tables after the step's scalars) and where a leaf's step runs.
