@@ -7,8 +7,9 @@ local GPU; and the GPU's matrix-product peak in the same run.
 Per configuration: one jitted step (update + apply_updates, params and state donated) on
 fixed gradients; first call (trace, compile, run), kernel time per step from the profiler
 (summed and busy), kernels per step (the top 40 by time in the JSON, by the names of the
-compiled HLO's fusions, which ``--hlo`` saves per configuration), and the Newton–Schulz
-products' achieved TFLOP/s (their
+compiled HLO's fusions, which ``--hlo`` saves per configuration; each kernel's name followed
+by the HLO op that launched it), the kernel time of the matrix products (cuBLAS's and
+XLA's GEMM kernels) against the rest, and the Newton–Schulz products' achieved TFLOP/s (their
 operations, ``optirs_jax.orthogonal.flops``, over the step's busy kernel time: a lower
 bound, the step's elementwise work counts against it). The peak: a square product of
 8192 in TF32 and in bfloat16 (``optirs_jax.planning.tensor_cores.gemm``), timed the same way.
@@ -18,6 +19,7 @@ import argparse
 import datetime
 import json
 import os
+import re
 import sys
 
 import jax
@@ -53,8 +55,17 @@ def measure(tx, params, grads, steps, hlo=None):
       f.write(jitted.lower(state).compile().as_text())
   for _ in range(3):
     state = jitted(state)
-  prof, state = timing.profile_steps(jitted, state, steps, top=100_000)
+  prof, state = timing.profile_steps(jitted, state, steps, top=100_000, by_op=True)
   return first, prof
+
+
+#: Kernels that are matrix products: cuBLAS's (nvjet, xmma, cutlass) and XLA's Triton GEMMs.
+PRODUCTS = re.compile(r"nvjet|xmma|cutlass|gemm")
+
+
+def products_seconds(top) -> float:
+  """Kernel seconds per step of the matrix products among ``top`` (name, s, calls)."""
+  return sum(sec for name, sec, _ in top if PRODUCTS.search(name.split(" @ ")[0]))
 
 
 def peak(n: int, steps: int) -> dict:
@@ -90,8 +101,8 @@ def main(argv=None):
   print("# matmul peak (8192^3): " + ", ".join(f"{k} {v:.1f} TFLOP/s" for k, v in peaks.items()),
         flush=True)
   rows = []
-  print(f"{'config':<14}{'first s':>9}{'busy ms':>10}{'summed ms':>11}{'kernels':>9}"
-        f"{'x optax':>9}{'NS TFLOP/s':>12}", flush=True)
+  print(f"{'config':<14}{'first s':>9}{'busy ms':>10}{'summed ms':>11}{'products':>10}"
+        f"{'kernels':>9}{'x optax':>9}{'NS TFLOP/s':>12}", flush=True)
   base = None
   for name in args.configs.split(","):
     if name not in CONFIGS:
@@ -106,12 +117,13 @@ def main(argv=None):
     tflops = ns_flops / busy / 1e12 if busy and "muon" in name else None
     row = dict(config=name, first_s=first, busy_ms=busy and busy * 1e3,
                summed_ms=prof["summed_s"] and prof["summed_s"] * 1e3,
+               products_ms=products_seconds(prof["top"]) * 1e3 if prof["top"] else None,
                x_optax=(base / busy) if base and busy else None, ns_tflops=tflops,
-               kernels=sum(c for _, _, c in prof["top"]) or None, top=prof["top"][:40])
+               kernels=sum(c for _, _, c in prof["top"]) or None, top=prof["top"][:60])
     rows.append(row)
     fmt = lambda v, f: format(v, f) if v is not None else format("-", ">" + f.split(".")[0])
     print(f"{name:<14}{first:9.2f}{fmt(row['busy_ms'], '10.3f')}{fmt(row['summed_ms'], '11.3f')}"
-          f"{fmt(row['kernels'], '9.0f')}"
+          f"{fmt(row['products_ms'], '10.3f')}{fmt(row['kernels'], '9.0f')}"
           f"{fmt(row['x_optax'], '9.2f')}{fmt(tflops, '12.1f')}", flush=True)
     if args.json:  # after each row: a run cut short keeps what it measured
       with open(args.json, "w") as f:

@@ -35,7 +35,8 @@ planes {
   id: 1
   name: "/device:GPU:0"
   lines { id: 1 name: "Stream #13(compute)" timestamp_ns: 1000
-    events { metadata_id: 1 offset_ps: 0 duration_ps: 2500000 }
+    events { metadata_id: 1 offset_ps: 0 duration_ps: 2500000
+             stats { metadata_id: 7 str_value: "fusion.3" } }
     events { metadata_id: 2 offset_ps: 3000000 duration_ps: 500000 } }
   lines { id: 2 name: "Stream #14(memcpy)" timestamp_ns: 1000
     events { metadata_id: 2 offset_ps: 100 duration_ps: 1000000 } }
@@ -43,6 +44,7 @@ planes {
     events { metadata_id: 1 offset_ps: 0 duration_ps: 9000000 } }
   event_metadata { key: 1 value { id: 1 name: "adam" } }
   event_metadata { key: 2 value { id: 2 name: "copy" } }
+  stat_metadata { key: 7 value { id: 7 name: "hlo_op" } }
 }
 """
 
@@ -63,6 +65,9 @@ def test_device_time_sums_the_stream_lines_of_the_device_plane():
   top = timing.top_kernels(profile, 5)
   assert [(n, c) for n, _, c in top] == [("adam", 1), ("copy", 2)]
   assert [s for _, s, _ in top] == pytest.approx([2.5e-6, 1.5e-6])
+  # By the HLO op that launched each (named where the event has the stat).
+  top = timing.top_kernels(profile, 5, by_op=True)
+  assert [(n, c) for n, _, c in top] == [("adam @ fusion.3", 1), ("copy", 2)]
 
 
 def test_kernel_time_is_read_where_there_is_a_gpu_plane():

@@ -73,9 +73,13 @@ def kernel_seconds_per_step(run_step, state, steps: int):
   return profile["summed_s"], state
 
 
-def top_kernels(profile_data, top: int, device: str = "/device:GPU:0") -> list[tuple]:
+def top_kernels(profile_data, top: int, device: str = "/device:GPU:0",
+                by_op: bool = False) -> list[tuple]:
   """The ``top`` events of the device plane's stream lines by summed duration: ``(name,
-  seconds, count)`` each, longest first (empty without a device plane)."""
+  seconds, count)`` each, longest first (empty without a device plane). With ``by_op``,
+  each kernel's name is followed by the HLO op that launched it (``"name @ op"``, where the
+  trace's event names one: a cuBLAS kernel's name alone does not say which product it ran).
+  """
   plane = profile_data.find_plane_with_name(device)
   if plane is None:
     return []
@@ -83,16 +87,21 @@ def top_kernels(profile_data, top: int, device: str = "/device:GPU:0") -> list[t
   for line in plane.lines:
     if line.name.startswith("Stream"):
       for e in line.events:
-        t = totals.setdefault(e.name, [0.0, 0])
+        name = e.name
+        if by_op:
+          op = next((str(v) for k, v in e.stats if k == "hlo_op"), None)
+          name = f"{name} @ {op}" if op and op != name else name
+        t = totals.setdefault(name, [0.0, 0])
         t[0] += e.duration_ns * 1e-9
         t[1] += 1
   return sorted(((n, s, c) for n, (s, c) in totals.items()), key=lambda x: -x[1])[:top]
 
 
-def profile_steps(run_step, state, steps: int, top: int = 0):
+def profile_steps(run_step, state, steps: int, top: int = 0, by_op: bool = False):
   """``({busy_s, summed_s, top}, state)`` per step of a profiler trace of ``steps`` steps:
   the device's busy and summed event time and its ``top`` kernels (name, seconds, calls per
-  step); the times None where the trace has no device plane."""
+  step; ``by_op``: named with their HLO ops, :func:`top_kernels`); the times None where
+  the trace has no device plane."""
   import jax
   from jax.profiler import ProfileData
   block(state)
@@ -105,7 +114,7 @@ def profile_steps(run_step, state, steps: int, top: int = 0):
     data = ProfileData.from_file(files[0]) if files else None
     busy = device_seconds(data, busy=True) if data else None
     summed = device_seconds(data) if data else None
-    kernels = top_kernels(data, top) if data and top else []
+    kernels = top_kernels(data, top, by_op=by_op) if data and top else []
   per = lambda x: None if x is None else x / steps
   return {"busy_s": per(busy), "summed_s": per(summed),
           "top": [(n, sec / steps, c / steps) for n, sec, c in kernels]}, state
