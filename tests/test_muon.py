@@ -21,7 +21,13 @@ from optax import contrib
 
 import optirs_jax
 from optirs_jax.orthogonal import MuonDimensionNumbers as D
-from optirs_jax.orthogonal import coefficients, flops, orthogonalize, orthogonalize_stack
+from optirs_jax.orthogonal import (
+  coefficients,
+  flops,
+  gram_splits,
+  orthogonalize,
+  orthogonalize_stack,
+)
 from optirs_jax.orthogonal._newton_schulz import PRESETS
 
 CASES = [
@@ -110,9 +116,10 @@ def _dots(tx, params) -> int:
 def test_one_chain_per_matrix_shape(standard_promotion):
   # attn (16x48), up (16x64), down (64x16: tall, taken transposed in place by its products)
   # and emb (100x16): four chains here, one per leaf (eleven) in optax's; three products a
-  # step each (one leaf alone: optax's program).
+  # step each. A stack's chain has its first step apart (3 products) and its loop's body
+  # (3); emb alone takes optax's program (its loop's body).
   params = _layers_tree()
-  assert _dots(optirs_jax.muon(0.02), params) == 4 * 3
+  assert _dots(optirs_jax.muon(0.02), params) == 3 * (3 + 3) + 3
   assert _dots(contrib.muon(0.02), params) == 11 * 3
 
 
@@ -122,29 +129,31 @@ def _ops(fn, *args) -> str:
 
 def test_stacks_take_tall_matrices_in_place_and_one_product_a_step():
   # A stack of several tall matrices: no transpose, one product per step beyond the two of
-  # the polynomial (c0 folded into it); a long side above 4096 padded once, not per step.
+  # the polynomial (c0 folded into it); a long side above 4096 padded once, not per step;
+  # the Frobenius norm read off the first Gram matrix (no pass over the stack divides it).
   coeffs = coefficients("standard", 5)
   tall = jnp.ones((3, 4100, 8))
   jaxpr = _ops(lambda x: orthogonalize_stack(x, coeffs, 5), tall)
   assert "transpose" not in jaxpr
-  assert jaxpr.count("dot_general") == 3  # the unrolled loop's body
+  assert jaxpr.count("dot_general") == 3 + 3  # the first step, the unrolled loop's body
   assert jaxpr.count(" pad[") == 1 and "4224" in jaxpr
+  # What makes a stack-sized array: its padding (in jnp.pad's jit), the first step's
+  # product, the loop (a scan) and its body's product; nothing elementwise.
+  stack_sized = [line for line in jaxpr.split("\n") if "f32[3,4224,8] =" in line]
+  ops = sorted(line.split("=")[1].split("[")[0].strip() for line in stack_sized)
+  assert ops == ["dot_general", "dot_general", "jit", "pad", "scan"], stack_sized
   # optax's program (exact): transposed there and back, c0 X + B X, no padding.
   jaxpr = _ops(lambda x: orthogonalize_stack(x, coeffs, 5, exact=True), tall)
   assert jaxpr.count("transpose") == 3 and " pad[" not in jaxpr  # in, out, the Gram's
 
 
-@pytest.mark.parametrize("preconditioning", ["frobenius", "aol", "schatten", "spectral"])
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.complex64])
-def test_in_place_tall_and_folded_steps_equal_the_transposed_chain(preconditioning, dtype):
-  # The fast form against optax's program, written out in numpy on the transposes.
-  if preconditioning == "schatten" and dtype == jnp.complex64:
-    pytest.skip("optax's Schatten step takes X X^T unconjugated: it diverges on complex X")
-  x = np.asarray(jax.random.normal(KEY, (2, 9, 5), dtype))
+def _numpy_chain(x, preconditioning):
+  """optax's chain on each matrix of ``x`` (rows > columns: taken transposed), in numpy."""
   c = np.array(PRESETS["standard"])
   ref = []
   for m in x:
-    w = m.T
+    tall = m.shape[0] > m.shape[1]
+    w = m.T if tall else m
     if preconditioning in ("frobenius", "spectral"):
       norm = np.linalg.norm(w, "fro" if preconditioning == "frobenius" else 2)
       w = w / (norm + 1e-8)
@@ -157,11 +166,55 @@ def test_in_place_tall_and_folded_steps_equal_the_transposed_chain(preconditioni
         s = 1 / np.sqrt(max(np.linalg.norm(a), 1e-8))
         w, a = w * s, a * s**2
       w = c[0] * w + (c[1] * a + c[2] * a @ a) @ w
-    ref.append(w.T)
+    ref.append(w.T if tall else w)
+  return np.stack(ref)
+
+
+@pytest.mark.parametrize("preconditioning", ["frobenius", "aol", "schatten", "spectral"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.complex64])
+def test_in_place_tall_and_folded_steps_equal_the_transposed_chain(preconditioning, dtype):
+  # The fast form against optax's program, written out in numpy on the transposes.
+  if preconditioning == "schatten" and dtype == jnp.complex64:
+    pytest.skip("optax's Schatten step takes X X^T unconjugated: it diverges on complex X")
+  x = np.asarray(jax.random.normal(KEY, (2, 9, 5), dtype))
   with jax.default_matmul_precision("highest"):
-    got = orthogonalize_stack(jnp.asarray(x), jnp.asarray(c), 5,
+    got = orthogonalize_stack(jnp.asarray(x), jnp.asarray(PRESETS["standard"]), 5,
                               preconditioning=preconditioning)
-  np.testing.assert_allclose(np.asarray(got), np.stack(ref), rtol=2e-5, atol=2e-5)
+  np.testing.assert_allclose(np.asarray(got), _numpy_chain(x, preconditioning), rtol=2e-5,
+                             atol=2e-5)
+
+
+@pytest.mark.parametrize("preconditioning", ["frobenius", "aol", "schatten"])
+@pytest.mark.parametrize("shape, dtype", [((1, 4200, 6), jnp.float32),
+                                          ((1, 6, 4200), jnp.float32),
+                                          ((1, 4200, 6), jnp.complex64)])
+def test_a_long_matrix_splits_its_gram_product(preconditioning, shape, dtype):
+  # One matrix with a long side above 4096: padded to 4224 once, and its Gram product (one
+  # 128 x 128 tile) split in two along the long side, each half >= 2048 rows; a wide one is
+  # transposed once for it. The numbers: optax's chain in numpy, to float32 rounding.
+  if preconditioning == "schatten" and dtype == jnp.complex64:
+    pytest.skip("optax's Schatten step takes X X^T unconjugated: it diverges on complex X")
+  assert gram_splits(1, 6, 4224) == 2 and gram_splits(1, 6, 4096) == 2
+  assert gram_splits(1, 6, 4094) == 1 and gram_splits(300, 6, 8192) == 1
+  x = np.asarray(jax.random.normal(KEY, shape, dtype))
+  coeffs = jnp.asarray(PRESETS["standard"])
+  run = lambda x: orthogonalize_stack(x, coeffs, 5, preconditioning=preconditioning)
+  jaxpr = _ops(run, jnp.asarray(x))
+  assert jaxpr.count(" pad[") == 1 and jaxpr.count("transpose") == (2 if shape[1] < 7 else 0)
+  assert "[2,6,6]" in jaxpr.replace(" ", "")  # the two halves' Gram matrices, then summed
+  with jax.default_matmul_precision("highest"):
+    got = run(jnp.asarray(x))
+  np.testing.assert_allclose(np.asarray(got), _numpy_chain(x, preconditioning), rtol=1e-4,
+                             atol=2e-5)
+
+
+def test_one_long_matrix_is_close_to_optax(standard_promotion):
+  # A leaf alone whose long side is above 4096 takes the fast form, not optax's program.
+  params = {"emb": jax.random.normal(KEY, (4200, 8)), "b": jnp.ones(8)}
+  with jax.default_matmul_precision("highest"):
+    (ref, _), (got, _) = _both({}, params, None)
+  assert _rel(got["emb"], ref["emb"]) < 5e-6, _rel(got["emb"], ref["emb"])
+  chex.assert_trees_all_equal(got["b"], ref["b"])
 
 
 def test_bfloat16_newton_schulz_is_close_to_optax(standard_promotion):

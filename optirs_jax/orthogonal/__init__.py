@@ -5,7 +5,8 @@
   optionally in bfloat16 (``ns_dtype``).
 - :func:`scale_by_muon`: Muon's direction alone, as optax's ``scale_by_muon``.
 - :func:`orthogonalize`, :func:`orthogonalize_stack`, :func:`coefficients`: the iteration;
-  :func:`flops`: its matrix products' operations.
+  :func:`flops`: its matrix products' operations; :func:`gram_splits`: how its Gram products
+  are split to fill a GPU.
 """
 
 from optirs_jax.orthogonal._muon import MuonState, muon, scale_by_muon
@@ -15,11 +16,12 @@ from optirs_jax.orthogonal._newton_schulz import (
   MuonDimensionNumbers,
   coefficients,
   flops,
+  gram_splits,
   orthogonalize,
   orthogonalize_stack,
 )
 
 __all__ = [
     "PRECONDITIONINGS", "PRESETS", "MuonDimensionNumbers", "MuonState", "coefficients", "flops",
-    "muon", "orthogonalize", "orthogonalize_stack", "scale_by_muon",
+    "gram_splits", "muon", "orthogonalize", "orthogonalize_stack", "scale_by_muon",
 ]

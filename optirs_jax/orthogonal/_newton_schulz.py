@@ -13,15 +13,18 @@ on the wide orientation of each matrix (rows <= columns: the Gram matrix :math:`
 smaller one). optax runs one such chain per leaf; here every matrix of one shape and dtype
 (a transformer's layers) is stacked and the chain runs once on the stack, as batched
 matrix products: GPT-2 small's 48 weight matrices and two embeddings are six chains.
-A leaf alone in its chain, at the momentum's precision, takes optax's program op for op
-(its numbers bit for bit). A stack of several, or any chain with a narrower ``ns_dtype``,
-takes the fast form, equal to rounding: a tall stack is not transposed (its products take
-it transposed in place), each step is one product, :math:`X_{k+1} = (c_0 I + c_1 A_k +
-c_2 A_k^2) X_k`, and a long side above 4096 is padded once for the products.
+A leaf alone in its chain, at the momentum's precision, with a long side of at most 4096,
+takes optax's program op for op (its numbers bit for bit). A stack of several, a longer
+matrix (a vocabulary's embedding) or any chain with a narrower ``ns_dtype`` takes the fast
+form, equal to rounding: a tall stack is not transposed (its products take it transposed
+in place), each step is one product, :math:`X_{k+1} = (c_0 I + c_1 A_k + c_2 A_k^2) X_k`, a
+long side above 4096 is padded once for the products, and a Gram product with too few
+output tiles for the GPU's cores is split along its long contraction (:func:`gram_splits`).
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Sequence
@@ -31,7 +34,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType
-from jax.sharding import PartitionSpec as P
+
+from optirs_jax.orthogonal._spread import mesh_of, spread, spread_axes
 
 #: Newton–Schulz coefficients by name (optax's presets): Keller Jordan's quintic, and
 #: Dion's five-step schedule (one row per step).
@@ -125,16 +129,25 @@ class _Side(NamedTuple):
   columns) takes optax's iteration, ``A = X X^H`` and ``X' = c0 X + B X``; a tall one is
   read as the transpose of a wide one, ``Y = X^T``, without moving it: ``A^T = Y^H Y`` and
   ``Y' = c0 Y + Y B^T`` (``B^T`` is ``B`` of ``A^T``: transposing commutes with the
-  polynomial), so the products take their operands in place of a transpose each way."""
+  polynomial), so the products take their operands in place of a transpose each way.
+  ``splits`` (tall stacks only): the Gram product as that many products over consecutive
+  row blocks, summed in float32 (:func:`gram_splits`)."""
 
   tall: bool
+  splits: int = 1
 
   def gram(self, x, conj: bool = True):
     """``X X^H`` (``Y^H Y`` for a tall stack; ``conj=False``: the plain transposes)."""
     if not self.tall:  # optax's expression, so that the exact program is its program
       xt = jnp.swapaxes(x, -1, -2)
       return x @ (xt.conj() if conj else xt)
-    return _batched_dot(x.conj() if conj else x, x, 1)
+    if self.splits == 1:
+      return _batched_dot(x.conj() if conj else x, x, 1)
+    b, n, m = x.shape  # row blocks as a batch (a reshape of the row-major stack, no copy)
+    parts = x.reshape(b * self.splits, n // self.splits, m)
+    acc = jnp.float32 if x.dtype.itemsize < 4 else x.dtype  # bfloat16 sums in float32
+    a = _batched_dot(parts.conj() if conj else parts, parts, 1, acc)
+    return a.reshape(b, self.splits, m, m).sum(1).astype(x.dtype)
 
   def apply(self, b, x):
     return _batched_dot(x, b, 2) if self.tall else b @ x
@@ -145,22 +158,25 @@ class _Side(NamedTuple):
     return x * (s[..., None, :] if self.tall else s[..., :, None])
 
 
-def _batched_dot(a, b, axis: int):
+def _batched_dot(a, b, axis: int, out=None):
   """``a`` and ``b`` (``[batch, ., .]``) contracted over ``a``'s ``axis`` and ``b``'s rows
-  (an operand's transpose taken in place by the product)."""
+  (an operand's transpose taken in place by the product), in ``out`` (default: theirs)."""
   return jax.lax.dot_general(a, b, (((axis,), (1,)), ((0,), (0,))),
-                             preferred_element_type=jnp.result_type(a, b))
+                             preferred_element_type=out or jnp.result_type(a, b))
 
 
-def _update(x, a, c, side, fold: bool):
+def _update(x, a, c, side, fold: bool, scale=None):
   """The step's new iterate from ``x`` and its (rescaled) Gram matrix ``a``:
   ``c0 X + (c1 A + c2 A A) X`` in optax's order (``c2 * A`` formed before its product with
   ``A``), or with ``fold`` the one product ``(c0 I + c1 A + c2 A A) X``, its factor
-  materialized first (a product fed by an elementwise prologue falls off cuBLAS)."""
+  materialized first (a product fed by an elementwise prologue falls off cuBLAS) and
+  times ``scale`` (``[batch, 1, 1]``) where given."""
   b = c[1] * a + c[2] * a @ a
   if not fold:
     return c[0] * x + side.apply(b, x)
   b = b + c[0] * jnp.eye(a.shape[-1], dtype=a.dtype)[None]
+  if scale is not None:
+    b = b * scale
   return side.apply(jax.lax.optimization_barrier(b), x)
 
 
@@ -179,6 +195,19 @@ def _aol_step(x, c, side, fold):
   return _update(side.scale(x, s), a * s[..., :, None] * s[..., None, :], c, side, fold)
 
 
+def _frobenius_step(x, c, side, fold, eps):
+  """The first step of the unnormalized ``x``, divided by its Frobenius norm inside the
+  step: the norm squared is the trace of the Gram matrix, so ``X / s`` (``s = |X|_F +
+  eps``) costs no pass over the stack: ``A / s^2``, and ``1 / s`` in the factor."""
+  a = side.gram(x)
+  d = jnp.real(jnp.diagonal(a, axis1=-2, axis2=-1))
+  norm = jnp.sqrt(d.astype(jnp.promote_types(d.dtype, jnp.float32)).sum(-1))
+  s = (1 / (norm + eps))[:, None, None]
+  real = jnp.real(a).dtype
+  return _update(x, a * _real_as((s * s).astype(real), a), c, side, fold,
+                 _real_as(s.astype(real), a))
+
+
 def _schatten_step(x, c, side, fold):
   """The first step rescaled by the Schatten-4 norm (Grishina et al., 2025)."""
   a = side.gram(x, conj=False)  # optax's: no conjugate
@@ -191,6 +220,31 @@ def _schatten_step(x, c, side, fold):
 #: the iteration: a product contracting over an unaligned axis pads its operand itself,
 #: a pass over the stack in every step (GPT-2's 50257-entry vocabulary).
 _PAD_ABOVE, _PAD = 4096, 128
+#: A Gram product is split until its output tiles (128 x 128) fill this many, two for each
+#: of an H100's or H200's 132 cores, while each part still contracts at least
+#: ``_MIN_SPLIT_ROWS`` rows.
+_TILES, _TILE, _MIN_SPLIT_ROWS = 264, 128, 2048
+
+
+def gram_splits(batch: int, short: int, long: int) -> int:
+  """How many parts the Gram product of ``batch`` matrices ``short x long`` (its output
+  ``short x short``, contracting ``long``) is split into along ``long``: a power of two,
+  doubled while the output's 128 x 128 tiles times the parts are fewer than 264 and each
+  part keeps at least 2048 of ``long`` (whole: ``long`` is a multiple of the parts).
+
+  A GPU's matrix product runs one output tile per core at a time: GPT-2's 50257 x 768
+  embedding has a Gram matrix of 36 tiles, so without a split its product (half of the
+  embedding's Newton–Schulz work) keeps a quarter of an H100's cores busy.
+
+  >>> gram_splits(1, 768, 50304), gram_splits(12, 768, 3072), gram_splits(1, 768, 3072)
+  (8, 1, 1)
+  """
+  tiles = batch * (-(-short // _TILE)) ** 2
+  parts = 1
+  while (tiles * parts < _TILES and long % (2 * parts) == 0
+         and long // (2 * parts) >= _MIN_SPLIT_ROWS):
+    parts *= 2
+  return parts
 
 
 def orthogonalize_stack(x: jax.Array, coeffs: jax.Array, ns_steps: int, *,
@@ -202,8 +256,10 @@ def orthogonalize_stack(x: jax.Array, coeffs: jax.Array, ns_steps: int, *,
   does. With ``exact``, by optax's program op for op (the stack transposed there and
   back, ``c0 X + B X``): on one matrix its numbers bit for bit. Otherwise the fast form,
   the same numbers to rounding: the products take a tall stack transposed in place, each
-  step is one product ``(c0 I + c1 A + c2 A^2) X``, and a long side above 4096 is padded
-  with zeros to a multiple of 128 once (its products would pad it in every step).
+  step is one product ``(c0 I + c1 A + c2 A^2) X``, a long side above 4096 is padded
+  with zeros to a multiple of 128 once (its products would pad it in every step), and a
+  Gram product of few output tiles is split along its long side (:func:`gram_splits`; a wide
+  stack so split is transposed once, there and back).
 
   Args:
     x: the stacked matrices.
@@ -223,22 +279,30 @@ def orthogonalize_stack(x: jax.Array, coeffs: jax.Array, ns_steps: int, *,
   dtype = x.dtype
   if ns_dtype is not None:
     x = x.astype(ns_dtype)
-  side = _Side(x.shape[-2] > x.shape[-1])
-  swap = exact and side.tall
-  if swap:
-    x, side = jnp.swapaxes(x, -1, -2), _Side(False)
+  tall = x.shape[-2] > x.shape[-1]
+  long, short = max(x.shape[-2:]), min(x.shape[-2:])
+  padded = long + (-long % _PAD if not exact and long > _PAD_ABOVE else 0)
+  parts = 1 if exact else gram_splits(x.shape[0], short, padded)
+  swap = (exact and tall) or (parts > 1 and not tall)
+  if swap:  # optax's program takes a wide stack; a split Gram product a tall one
+    x, tall = jnp.swapaxes(x, -1, -2), not tall
+  side = _Side(tall, parts)
   fold = not exact
   axis = -2 if side.tall else -1
-  long = x.shape[axis]
-  if not exact and long > _PAD_ABOVE and long % _PAD:  # zeros: A and the rest unchanged
+  if padded != long:  # zeros: A and the rest unchanged
     pad = [(0, 0)] * x.ndim
-    pad[axis] = (0, -long % _PAD)
+    pad[axis] = (0, padded - long)
     x = jnp.pad(x, pad)
-  if preconditioning == "frobenius":
+  if preconditioning == "frobenius" and exact:
     x = x / _real_as(jnp.linalg.norm(x, ord="fro", axis=(-2, -1), keepdims=True) + eps, x)
   elif preconditioning == "spectral":
     x = x / _real_as(jnp.linalg.norm(x, ord=2, axis=(-2, -1), keepdims=True) + eps, x)
   c = coeffs.astype(x.dtype)
+  if not exact:
+    x = _fast_chain(x, c, ns_steps, side, preconditioning, eps)
+    if x.shape[axis] != long:
+      x = jax.lax.slice_in_dim(x, 0, long, axis=x.ndim + axis)
+    return (jnp.swapaxes(x, -1, -2) if swap else x).astype(dtype)
   first = {"aol": _aol_step, "schatten": _schatten_step}.get(preconditioning)
 
   def step(i, x, row):
@@ -257,11 +321,23 @@ def orthogonalize_stack(x: jax.Array, coeffs: jax.Array, ns_steps: int, *,
       return (i + 1, step(i, x, row)), None
 
     (_, x), _ = jax.lax.scan(body, (jnp.asarray(0, jnp.int32), x), c)
-  if x.shape[axis] != long:
-    x = jax.lax.slice_in_dim(x, 0, long, axis=x.ndim + axis)
   if swap:
     x = jnp.swapaxes(x, -1, -2)
   return x.astype(dtype)
+
+
+def _fast_chain(x, c, ns_steps, side, preconditioning, eps):
+  """The fast form's steps: the first one taken apart (its rescaling: AOL, Schatten-4, or
+  the Frobenius norm's division folded into it), the others as an unrolled loop."""
+  first = {"aol": _aol_step, "schatten": _schatten_step,
+           "frobenius": functools.partial(_frobenius_step, eps=eps)}.get(preconditioning,
+                                                                         _step)
+  rows = c[None] if c.ndim == 1 else c
+  x = first(x, rows[0], side, True)
+  if c.ndim == 1:
+    return jax.lax.fori_loop(1, ns_steps, lambda i, x: _step(x, c, side, True), x,
+                             unroll=True)
+  return jax.lax.scan(lambda x, row: (_step(x, row, side, True), None), x, c[1:])[0]
 
 
 def orthogonalize(leaves: Sequence[jax.Array], dims: Sequence, coeffs: jax.Array,
@@ -291,11 +367,11 @@ def orthogonalize(leaves: Sequence[jax.Array], dims: Sequence, coeffs: jax.Array
   groups: dict = {}
   for i, (x, v) in enumerate(zip(leaves, views)):
     groups.setdefault((v.shape[1:], jnp.dtype(x.dtype)), []).append(i)
-  mesh, usable = _mesh_of(leaves)
-  spread = _spread_axes(mesh, usable, ns_axes)
+  mesh, usable = mesh_of(leaves)
+  axes = spread_axes(mesh, usable, ns_axes)
   kw = dict(preconditioning=preconditioning, eps=eps, ns_dtype=ns_dtype, mesh=mesh,
-            spread=spread)
-  explicit = [a for a in spread if dict(zip(mesh.axis_names, mesh.axis_types))[a] ==
+            axes=axes)
+  explicit = [a for a in axes if dict(zip(mesh.axis_names, mesh.axis_types))[a] ==
               AxisType.Explicit]
   out: list = [None] * len(leaves)
   for idx in groups.values():
@@ -309,62 +385,21 @@ def orthogonalize(leaves: Sequence[jax.Array], dims: Sequence, coeffs: jax.Array
   return out
 
 
-def _orthogonalize_group(mats, coeffs, ns_steps, *, mesh, spread, **kw):
-  """Matrices of one shape as one chain: concatenated, spread over ``spread`` (whole
+def _orthogonalize_group(mats, coeffs, ns_steps, *, mesh, axes, **kw):
+  """Matrices of one shape as one chain: concatenated, spread over ``axes`` (whole
   matrices per device), orthogonalized, and split again."""
   stack = mats[0] if len(mats) == 1 else jnp.concatenate(mats, axis=0)
   batch = stack.shape[0]
-  if spread:
-    stack = _spread(stack, mesh, spread)
+  if axes:
+    stack = spread(stack, mesh, axes)
   ns_dtype = kw.get("ns_dtype")
-  # One leaf at the momentum's precision takes optax's program, its numbers bit for bit.
-  exact = len(mats) == 1 and (ns_dtype is None or jnp.dtype(ns_dtype) == stack.dtype)
+  # One leaf at the momentum's precision takes optax's program, its numbers bit for bit,
+  # unless its long side asks for the fast form's padding and split Gram product.
+  exact = (len(mats) == 1 and (ns_dtype is None or jnp.dtype(ns_dtype) == stack.dtype)
+           and max(stack.shape[1:]) <= _PAD_ABOVE)
   done = orthogonalize_stack(stack, coeffs, ns_steps, exact=exact, **kw)[:batch]
   bounds = np.cumsum([0] + [m.shape[0] for m in mats])
   return [done[a:b] for a, b in itertools.pairwise(bounds)]
-
-
-def _mesh_of(leaves):
-  """The context mesh, or else the mesh of the first leaf sharded on Explicit axes (its
-  Auto axes dropped: without a context mesh no constraint can name them)."""
-  mesh = jax.sharding.get_abstract_mesh()
-  if not mesh.empty:
-    return mesh, mesh.axis_names
-  for x in leaves:
-    m = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
-    if m is not None and not m.empty and AxisType.Explicit in m.axis_types:
-      return m, tuple(a for a, t in zip(m.axis_names, m.axis_types) if t == AxisType.Explicit)
-  return mesh, ()
-
-
-def _spread_axes(mesh, usable, ns_axes) -> tuple[str, ...]:
-  """The mesh axes (of more than one device) to spread stacks over."""
-  if ns_axes is None or not usable:
-    return ()
-  kinds = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
-  if ns_axes == "auto":
-    axes = [a for a in usable if kinds[a] != AxisType.Manual]
-  else:
-    axes = [ns_axes] if isinstance(ns_axes, str) else list(ns_axes)
-    unknown = [a for a in axes if a not in usable]
-    if unknown:
-      raise ValueError(f"ns_axes={ns_axes!r} names {unknown}, not axes of the mesh "
-                       f"{dict(mesh.shape)} it can spread over; valid: 'auto', None or names "
-                       f"among {tuple(usable)}")
-    if any(kinds[a] == AxisType.Manual for a in axes):
-      raise ValueError(f"ns_axes={ns_axes!r}: inside shard_map the leaves are the device's "
-                       "shards; spread over axes that are not manual")
-  return tuple(a for a in axes if mesh.shape[a] > 1)
-
-
-def _spread(stack, mesh, axes):
-  """``stack`` padded with zero matrices to a multiple of the devices of ``axes`` and
-  constrained to be sharded over them by matrix."""
-  n = math.prod(mesh.shape[a] for a in axes)
-  if stack.shape[0] % n:
-    pad = n - stack.shape[0] % n
-    stack = jnp.concatenate([stack, jnp.zeros((pad, *stack.shape[1:]), stack.dtype)])
-  return jax.lax.with_sharding_constraint(stack, P(axes if len(axes) > 1 else axes[0]))
 
 
 def flops(shape: Sequence[int], ns_steps: int, dims=None) -> int:
