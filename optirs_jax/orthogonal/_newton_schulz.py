@@ -287,7 +287,6 @@ def orthogonalize_stack(x: jax.Array, coeffs: jax.Array, ns_steps: int, *,
   if swap:  # optax's program takes a wide stack; a split Gram product a tall one
     x, tall = jnp.swapaxes(x, -1, -2), not tall
   side = _Side(tall, parts)
-  fold = not exact
   axis = -2 if side.tall else -1
   if padded != long:  # zeros: A and the rest unchanged
     pad = [(0, 0)] * x.ndim
@@ -307,9 +306,9 @@ def orthogonalize_stack(x: jax.Array, coeffs: jax.Array, ns_steps: int, *,
 
   def step(i, x, row):
     if first is None:
-      return _step(x, row, side, fold)
-    return jax.lax.cond(i == 0, lambda x: first(x, row, side, fold),
-                        lambda x: _step(x, row, side, fold), x)
+      return _step(x, row, side, False)
+    return jax.lax.cond(i == 0, lambda x: first(x, row, side, False),
+                        lambda x: _step(x, row, side, False), x)
 
   # optax's loop structure (an unrolled fori_loop, or a scan over the rows), so that XLA
   # compiles the same iteration and the numbers are optax's bit for bit.
