@@ -160,3 +160,26 @@ def test_a_failed_attempt_names_the_childs_last_error_line():
   folding = "Constant folding an instruction is taking > 2s:\n\n  %gather.603 = f32[16]\n"
   assert _last_error(folding) == "%gather.603 = f32[16]"  # no error: the last line
   assert _last_error("") == ""
+
+
+def test_the_table_says_where_the_step_saves_less_than_the_optimizer_and_why():
+  from optirs_jax.bench.train import savings
+  compiled = {"step": {"fusions": 147, "custom_calls": 0},
+              "gradients": {"fusions": 100, "custom_calls": 0},
+              "optimizer": {"fusions": 106, "custom_calls": 0}}
+  results = {
+      "optax": {"kernel_ms": 3.50, "optimizer_kernel_ms": 0.40, "compiled": compiled},
+      "held": {"kernel_ms": 3.39, "optimizer_kernel_ms": 0.30},  # 0.11 in the step
+      "short": {"kernel_ms": 3.45, "optimizer_kernel_ms": 0.20},  # 0.05 of 0.20
+      "slower": {"kernel_ms": 3.60, "optimizer_kernel_ms": 0.45},  # -0.05 alone, -0.10
+      "failed": {"error": "exit 1"},
+  }
+  rows = savings(results)
+  assert len(rows) == 4  # the heading, then held, short and slower (not the failed one)
+  assert rows[1].startswith("held: alone 0.100 ms less") and rows[1].endswith("all of it")
+  assert "the step is 0.150 ms short" in rows[2] and "fuses 59 of optax's 106" in rows[2]
+  assert rows[3].startswith("slower: alone 0.050 ms more") and "0.050 ms short" in rows[3]
+  # Without the reference's compiled programs no cause is named; without optax, no rows.
+  del results["optax"]["compiled"]
+  assert "not explained here" in savings(results)[2]
+  assert savings({"held": results["held"]}) == []
