@@ -6,10 +6,12 @@ local GPU; and the GPU's matrix-product peak in the same run.
 
 Per configuration: one jitted step (update + apply_updates, params and state donated) on
 fixed gradients; first call (trace, compile, run), kernel time per step from the profiler
-(summed and busy), kernels per step (the top 40 by time in the JSON, by the names of the
+(summed and busy), kernels per step (the top 60 by time in the JSON, by the names of the
 compiled HLO's fusions, which ``--hlo`` saves per configuration; each kernel's name followed
-by the HLO op that launched it), the kernel time of the matrix products (cuBLAS's and
-XLA's GEMM kernels) against the rest, and the Newton–Schulz products' achieved TFLOP/s (their
+by the HLO op that launched it, with ``XLA_FLAGS=--xla_gpu_enable_command_buffer=``: by
+default the step runs as CUDA graphs and the op is the graph's), the kernel time of the
+matrix products (cuBLAS's and XLA's GEMM kernels) against the rest, and the Newton–Schulz
+products' achieved TFLOP/s (their
 operations, ``optirs_jax.orthogonal.flops``, over the step's busy kernel time: a lower
 bound, the step's elementwise work counts against it). The peak: a square product of
 8192 in TF32 and in bfloat16 (``optirs_jax.planning.tensor_cores.gemm``), timed the same way.

@@ -79,6 +79,8 @@ def top_kernels(profile_data, top: int, device: str = "/device:GPU:0",
   seconds, count)`` each, longest first (empty without a device plane). With ``by_op``,
   each kernel's name is followed by the HLO op that launched it (``"name @ op"``, where the
   trace's event names one: a cuBLAS kernel's name alone does not say which product it ran).
+  Where XLA runs the step as CUDA graphs (its default on GPUs) the op is the graph's
+  (``command_buffer_1``); ``XLA_FLAGS=--xla_gpu_enable_command_buffer=`` names each op.
   """
   plane = profile_data.find_plane_with_name(device)
   if plane is None:
