@@ -345,7 +345,7 @@ def savings(results: dict, reference: str = "optax") -> list[str]:
   take producers
   """
   ref = results.get(reference)
-  if not ref or "error" in ref or ref.get("kernel_ms") is None:
+  if not ref or "error" in ref or None in (ref.get("kernel_ms"), ref.get("optimizer_kernel_ms")):
     return []
   rows = [f"# the optimizer's saving against {reference}'s, alone and in the whole step "
           "(kernel ms per step)"]
