@@ -265,7 +265,8 @@ def orthogonalize_stack(x: jax.Array, coeffs: jax.Array, ns_steps: int, *,
     x: the stacked matrices.
     coeffs: ``(3,)`` coefficients for ``ns_steps`` steps, or ``(n, 3)``: one row per step.
     ns_steps: steps of a ``(3,)`` schedule.
-    preconditioning: ``"frobenius"`` or ``"spectral"`` (divide by that norm first),
+    preconditioning: ``"frobenius"`` or ``"spectral"`` (divide by that norm first; the
+      fast form divides by the Frobenius norm inside its first step),
       ``"aol"`` or ``"schatten"`` (rescale in the first step).
     eps: added to the Frobenius or spectral norm.
     ns_dtype: the products' dtype (``None``: ``x``'s); the result comes back in ``x``'s.
@@ -292,16 +293,22 @@ def orthogonalize_stack(x: jax.Array, coeffs: jax.Array, ns_steps: int, *,
     pad = [(0, 0)] * x.ndim
     pad[axis] = (0, padded - long)
     x = jnp.pad(x, pad)
-  if preconditioning == "frobenius" and exact:
-    x = x / _real_as(jnp.linalg.norm(x, ord="fro", axis=(-2, -1), keepdims=True) + eps, x)
-  elif preconditioning == "spectral":
+  if preconditioning == "spectral":
     x = x / _real_as(jnp.linalg.norm(x, ord=2, axis=(-2, -1), keepdims=True) + eps, x)
-  c = coeffs.astype(x.dtype)
-  if not exact:
-    x = _fast_chain(x, c, ns_steps, side, preconditioning, eps)
-    if x.shape[axis] != long:
-      x = jax.lax.slice_in_dim(x, 0, long, axis=x.ndim + axis)
-    return (jnp.swapaxes(x, -1, -2) if swap else x).astype(dtype)
+  chain = _exact_chain if exact else _fast_chain
+  x = chain(x, coeffs.astype(x.dtype), ns_steps, side, preconditioning, eps)
+  if padded != long:
+    x = jax.lax.slice_in_dim(x, 0, long, axis=x.ndim + axis)
+  return (jnp.swapaxes(x, -1, -2) if swap else x).astype(dtype)
+
+
+def _exact_chain(x, c, ns_steps, side, preconditioning, eps):
+  """optax's steps op for op: the Frobenius norm divided out first, then its loop (an
+  unrolled fori_loop, or a scan over the rows), the first step's rescaling behind a
+  ``cond``, so that XLA compiles the same iteration and the numbers are optax's bit for
+  bit."""
+  if preconditioning == "frobenius":
+    x = x / _real_as(jnp.linalg.norm(x, ord="fro", axis=(-2, -1), keepdims=True) + eps, x)
   first = {"aol": _aol_step, "schatten": _schatten_step}.get(preconditioning)
 
   def step(i, x, row):
@@ -310,19 +317,14 @@ def orthogonalize_stack(x: jax.Array, coeffs: jax.Array, ns_steps: int, *,
     return jax.lax.cond(i == 0, lambda x: first(x, row, side, False),
                         lambda x: _step(x, row, side, False), x)
 
-  # optax's loop structure (an unrolled fori_loop, or a scan over the rows), so that XLA
-  # compiles the same iteration and the numbers are optax's bit for bit.
   if c.ndim == 1:
-    x = jax.lax.fori_loop(0, ns_steps, lambda i, x: step(i, x, c), x, unroll=True)
-  else:
-    def body(carry, row):
-      i, x = carry
-      return (i + 1, step(i, x, row)), None
+    return jax.lax.fori_loop(0, ns_steps, lambda i, x: step(i, x, c), x, unroll=True)
 
-    (_, x), _ = jax.lax.scan(body, (jnp.asarray(0, jnp.int32), x), c)
-  if swap:
-    x = jnp.swapaxes(x, -1, -2)
-  return x.astype(dtype)
+  def body(carry, row):
+    i, x = carry
+    return (i + 1, step(i, x, row)), None
+
+  return jax.lax.scan(body, (jnp.asarray(0, jnp.int32), x), c)[0][1]
 
 
 def _fast_chain(x, c, ns_steps, side, preconditioning, eps):
@@ -331,8 +333,7 @@ def _fast_chain(x, c, ns_steps, side, preconditioning, eps):
   first = {"aol": _aol_step, "schatten": _schatten_step,
            "frobenius": functools.partial(_frobenius_step, eps=eps)}.get(preconditioning,
                                                                          _step)
-  rows = c[None] if c.ndim == 1 else c
-  x = first(x, rows[0], side, True)
+  x = first(x, c if c.ndim == 1 else c[0], side, True)
   if c.ndim == 1:
     return jax.lax.fori_loop(1, ns_steps, lambda i, x: _step(x, c, side, True), x,
                              unroll=True)
