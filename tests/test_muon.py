@@ -217,6 +217,20 @@ def test_one_long_matrix_is_close_to_optax(standard_promotion):
   chex.assert_trees_all_equal(got["b"], ref["b"])
 
 
+@pytest.mark.parametrize("kw", [{}, {"ns_coeffs": "dion"}], ids=["standard", "dion"])
+def test_under_inject_hyperparams_as_optax(kw, standard_promotion):
+  # optax.inject_hyperparams passes ns_steps (a number) to the update as a traced int32:
+  # the loop runs that many steps, as optax's does; a stack, a long leaf and AdamW's vector.
+  params = _layers_tree() | {"vocab": jax.random.normal(KEY, (4200, 16))}
+  inject = lambda muon: optax.inject_hyperparams(muon)(learning_rate=0.02, **kw)
+  with jax.default_matmul_precision("highest"):
+    ref, _ = _run(inject(contrib.muon), params, steps=2)
+    got, state = _run(inject(optirs_jax.muon), params, steps=2)
+  assert int(state.hyperparams["ns_steps"]) == 5
+  for k in params:
+    assert _rel(got[k], ref[k]) < 5e-6, (k, _rel(got[k], ref[k]))
+
+
 def test_bfloat16_newton_schulz_is_close_to_optax(standard_promotion):
   params = _layers_tree()
   grads = jax.tree.map(jnp.sin, params)

@@ -25,6 +25,7 @@ from optirs_jax.transforms._checks import (
   check_number,
   check_number_or_schedule,
   check_unit_interval,
+  structural_int,
 )
 
 
@@ -34,17 +35,6 @@ class MuonState(NamedTuple):
   count: jax.Array  # shape=(), dtype=jnp.int32
   mu: optax.Updates  # the momentum, in ``mu_dtype`` (or the updates' dtype)
   ns_coeffs: jax.Array  # (3,) or (steps, 3)
-
-
-def _ns_steps(fn: str, ns_steps) -> int:
-  try:
-    steps = int(ns_steps)
-  except (TypeError, jax.errors.ConcretizationTypeError):
-    steps = None
-  if isinstance(ns_steps, bool) or steps is None or steps != ns_steps or steps < 1:
-    raise ValueError(f"{fn}: ns_steps={ns_steps!r} must be an int >= 1 (a concrete value: it "
-                     "sets the number of matrix products)")
-  return steps
 
 
 def _check_choices(fn: str, preconditioning, ns_coeffs) -> None:
@@ -98,7 +88,9 @@ def scale_by_muon(ns_coeffs: Any = PRESETS["standard"], ns_steps: int = 5,
     An :class:`optax.GradientTransformation` with state :class:`MuonState`.
   """
   fn = "scale_by_muon"
-  steps = _ns_steps(fn, ns_steps)
+  # An int; under inject_hyperparams' update a traced count, which the loop runs as optax's.
+  concrete = structural_int(fn, "ns_steps", ns_steps, 1)
+  steps = ns_steps if concrete is None else concrete
   _check_choices(fn, preconditioning, ns_coeffs)
   check_unit_interval(fn, "beta", beta)
   check_number(fn, "eps", eps)
@@ -106,9 +98,13 @@ def scale_by_muon(ns_coeffs: Any = PRESETS["standard"], ns_steps: int = 5,
   check_flag(fn, "adaptive", adaptive)
   mu_dtype = canonical_dtype(fn, "mu_dtype", mu_dtype)
   ns_dtype = canonical_dtype(fn, "ns_dtype", ns_dtype)
-  coeffs = coefficients(ns_coeffs, steps)  # checked now: a bad shape fails at construction
+  # Checked now: a bad shape fails at construction. (With a traced count, inside
+  # inject_hyperparams' update, only the update runs: it takes the state's coefficients.)
+  coeffs = None if concrete is None else coefficients(ns_coeffs, concrete)
 
   def init_fn(params):
+    if coeffs is None:
+      raise ValueError(f"{fn}: init needs a concrete ns_steps, got {ns_steps!r}")
     mu = jax.tree.map(lambda p: jnp.zeros_like(p, dtype=mu_dtype), params)
     return MuonState(jnp.zeros([], jnp.int32), mu, coeffs)
 
@@ -224,7 +220,8 @@ def muon(learning_rate: optax.ScalarOrSchedule, ns_coeffs: Any = PRESETS["standa
     learning_rate: a number or a schedule.
     ns_coeffs: ``(c0, c1, c2)``, a tuple of such rows (one per step), or a preset name
       (``"standard"``, ``"dion"``).
-    ns_steps: Newton–Schulz steps (a concrete int; a tuple of rows runs one step per row).
+    ns_steps: Newton–Schulz steps (an int; a tuple of rows runs one step per row). Under
+      :func:`optax.inject_hyperparams` the traced count it passes runs as optax's does.
     beta: the momentum's decay.
     eps: added to the norm the momentum is divided by (and Adam's ``eps``).
     weight_decay: decoupled decay of the matrices, times the learning rate.
