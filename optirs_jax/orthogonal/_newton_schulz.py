@@ -220,28 +220,31 @@ def _schatten_step(x, c, side, fold):
 #: the iteration: a product contracting over an unaligned axis pads its operand itself,
 #: a pass over the stack in every step (GPT-2's 50257-entry vocabulary).
 _PAD_ABOVE, _PAD = 4096, 128
-#: A Gram product is split until its output tiles (128 x 128) fill this many, two for each
-#: of an H100's or H200's 132 cores, while each part still contracts at least
-#: ``_MIN_SPLIT_ROWS`` rows.
-_TILES, _TILE, _MIN_SPLIT_ROWS = 264, 128, 2048
+#: A Gram product whose output tiles (128 x 128) are fewer than ``_FEW_TILES``, one for each
+#: of an H100's or H200's 132 cores, is split until the tiles of all its parts fill
+#: ``_TILES`` (eight waves: a partial last wave then costs little), while each part still
+#: contracts at least ``_MIN_SPLIT_ROWS`` rows.
+_FEW_TILES, _TILES, _TILE, _MIN_SPLIT_ROWS = 132, 1056, 128, 1024
 
 
 def gram_splits(batch: int, short: int, long: int) -> int:
   """How many parts the Gram product of ``batch`` matrices ``short x long`` (its output
-  ``short x short``, contracting ``long``) is split into along ``long``: a power of two,
-  doubled while the output's 128 x 128 tiles times the parts are fewer than 264 and each
-  part keeps at least 2048 of ``long`` (whole: ``long`` is a multiple of the parts).
+  ``short x short``, contracting ``long``) is split into along ``long``: one where the
+  output has at least 132 tiles of 128 x 128; else a power of two, doubled while the
+  tiles times the parts are fewer than 1056 and each part keeps at least 1024 of ``long``
+  (whole: ``long`` is a multiple of the parts).
 
   A GPU's matrix product runs one output tile per core at a time: GPT-2's 50257 x 768
   embedding has a Gram matrix of 36 tiles, so without a split its product (half of the
-  embedding's Newton–Schulz work) keeps a quarter of an H100's cores busy.
+  embedding's Newton–Schulz work) keeps a quarter of an H100's cores busy; in 8 parts
+  (288 tiles, 2.2 waves of 132 cores) the third, partial wave costs as much as a full one.
 
   >>> gram_splits(1, 768, 50304), gram_splits(12, 768, 3072), gram_splits(1, 768, 3072)
-  (8, 1, 1)
+  (32, 1, 2)
   """
   tiles = batch * (-(-short // _TILE)) ** 2
   parts = 1
-  while (tiles * parts < _TILES and long % (2 * parts) == 0
+  while (tiles < _FEW_TILES and tiles * parts < _TILES and long % (2 * parts) == 0
          and long // (2 * parts) >= _MIN_SPLIT_ROWS):
     parts *= 2
   return parts
