@@ -180,3 +180,24 @@ def test_quantized_state_runs_in_one_grouped_kernel_for_an_h200(h200, name, kw, 
   assert ("f8e4m3fn" in apply) == (fmt == "fp8")
   update = _compile(lambda p, s, g: opt.update(g, s, p), params, state, params)
   assert update.count(f'custom_call_target="{TRITON}"') == 1
+
+
+@pytest.mark.parametrize("ns_dtype", [None, jnp.bfloat16], ids=["float32", "bfloat16"])
+def test_muon_momentum_and_stacks_compile_in_one_kernel_each_for_an_h200(
+    h200, ns_dtype, monkeypatch):
+  # A stack of three matrices and a long one: the momentum and each stack in one Triton
+  # launch each (in a process of one device: this suite's has 4 CPU devices); the AdamW
+  # vector's grouped launch beside them; 7 x 9 stays on XLA.
+  from optirs_jax.orthogonal import _momentum_stack
+  monkeypatch.setattr(_momentum_stack, "one_device", lambda: True)
+  opt = optirs_jax.muon(0.02, ns_dtype=ns_dtype)
+  params = {"w": [jnp.zeros((64, 128))] * 3, "vocab": jnp.zeros((4224, 64)),
+            "b": jnp.zeros(64), "odd": jnp.zeros((7, 9))}
+
+  def step(p, s, g):
+    u, s = opt.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  text = _compile(step, params, opt.init(params), params)
+  calls = [line for line in text.split("\n") if f'custom_call_target="{TRITON}"' in line]
+  assert sum("muon_momentum_stack" in line for line in calls) == 2, calls

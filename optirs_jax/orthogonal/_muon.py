@@ -9,6 +9,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from optirs_jax.backends import validate_backend
+from optirs_jax.orthogonal._momentum_stack import fusable, momentum_stack
 from optirs_jax.orthogonal._newton_schulz import (
   PRECONDITIONINGS,
   PRESETS,
@@ -63,7 +65,8 @@ def scale_by_muon(ns_coeffs: Any = PRESETS["standard"], ns_steps: int = 5,
                   mu_dtype: Any | None = None, *, nesterov: bool = True,
                   adaptive: bool = False, preconditioning: str = "frobenius",
                   weight_dimension_numbers: Any = None, ns_dtype: Any | None = None,
-                  ns_axes: Any = "auto") -> optax.GradientTransformation:
+                  ns_axes: Any = "auto", backend: str = "auto"
+                  ) -> optax.GradientTransformation:
   r"""Muon's direction: momentum, orthogonalized; the numbers of
   :func:`optax.contrib.scale_by_muon`, with the leaves of one matrix shape orthogonalized
   as one batched chain (:func:`~optirs_jax.orthogonal.orthogonalize`).
@@ -83,6 +86,10 @@ def scale_by_muon(ns_coeffs: Any = PRESETS["standard"], ns_steps: int = 5,
     ns_dtype: the Newton–Schulz products' dtype (``None``: the momentum's, as optax).
     ns_axes: the mesh axes the stacked matrices are spread over, whole, before the
       iteration (:func:`~optirs_jax.orthogonal.orthogonalize`).
+    backend: where a stack taking the fast form gets its momentum: ``"auto"`` (on a GPU,
+      one kernel writes the float32 momenta and the stack in one pass:
+      :mod:`~optirs_jax.orthogonal._momentum_stack`; elsewhere XLA), ``"pallas"`` (that
+      kernel in interpret mode off a GPU) or ``"jnp"`` (XLA's fusions everywhere).
 
   Returns:
     An :class:`optax.GradientTransformation` with state :class:`MuonState`.
@@ -98,6 +105,7 @@ def scale_by_muon(ns_coeffs: Any = PRESETS["standard"], ns_steps: int = 5,
   check_flag(fn, "adaptive", adaptive)
   mu_dtype = canonical_dtype(fn, "mu_dtype", mu_dtype)
   ns_dtype = canonical_dtype(fn, "ns_dtype", ns_dtype)
+  validate_backend(backend)
   # Checked now: a bad shape fails at construction. (With a traced count, inside
   # inject_hyperparams' update, only the update runs: it takes the state's coefficients.)
   coeffs = None if concrete is None else coefficients(ns_coeffs, concrete)
@@ -122,10 +130,26 @@ def scale_by_muon(ns_coeffs: Any = PRESETS["standard"], ns_steps: int = 5,
                 for m, g in zip(new_mu, gs)]
     else:
       mu_hat = [correct(m, count) for m in new_mu]
+    fused = {}  # leaf -> its momentum, where the kernel wrote it with the stack
+
+    def stacks(idx, dtype):  # the stack of the leaves at idx, and their momenta, one pass
+      g, m = [gs[i] for i in idx], [mus[i] for i in idx]
+      if backend == "jnp" or not fusable(g, m):
+        return None
+      f32 = jnp.float32
+      c = lambda n: (1 - beta ** n.astype(f32)).astype(f32)
+      h = jnp.stack([jnp.asarray(1 - beta, f32), jnp.asarray(beta, f32), c(count),
+                     c(optax.safe_increment(count))])
+      news, stack = momentum_stack(g, m, h, nesterov=nesterov, stack_dtype=dtype,
+                                   backend=backend)
+      fused.update(zip(idx, news))
+      return stack
+
     out = orthogonalize(mu_hat, dims, state.ns_coeffs, steps, preconditioning=preconditioning,
-                        eps=eps, ns_dtype=ns_dtype, ns_axes=ns_axes)
+                        eps=eps, ns_dtype=ns_dtype, ns_axes=ns_axes, stacks=stacks)
     if adaptive:  # the dual norm of the momentum (Bernstein et al., 2024)
       out = [jnp.sum(m.conj() * o) * o for m, o in zip(mu_hat, out)]
+    new_mu = [fused.get(i, m) for i, m in enumerate(new_mu)]
     new_mu = [m if mu_dtype is None else m.astype(mu_dtype) for m in new_mu]
     unflat = lambda xs: jax.tree.unflatten(treedef, xs)
     return unflat(out), MuonState(count, unflat(new_mu), state.ns_coeffs)
@@ -243,7 +267,9 @@ def muon(learning_rate: optax.ScalarOrSchedule, ns_coeffs: Any = PRESETS["standa
       one), the axes the stacked matrices are spread over, whole, so that each device
       orthogonalizes whole matrices and the iteration holds no collective: ``"auto"``
       (every axis not manual), names, or ``None`` (leave the stacks as GSPMD places them).
-    backend, executor_options: the AdamW partition's (:func:`optirs_jax.adamw`).
+    backend: the AdamW partition's (:func:`optirs_jax.adamw`) and where the matrices'
+      momentum and stacks are written (:func:`scale_by_muon`).
+    executor_options: the AdamW partition's.
 
   Returns:
     An :class:`optax.GradientTransformation`.
@@ -280,7 +306,7 @@ def muon(learning_rate: optax.ScalarOrSchedule, ns_coeffs: Any = PRESETS["standa
               scale_by_muon(ns_coeffs, ns_steps, beta, eps, mu_dtype, nesterov=nesterov,
                             adaptive=adaptive, preconditioning=preconditioning,
                             weight_dimension_numbers=dims, ns_dtype=ns_dtype,
-                            ns_axes=ns_axes),
+                            ns_axes=ns_axes, backend=backend),
               _scale_by_shape(dims, consistent_rms),
               optax.add_decayed_weights(weight_decay, weight_decay_mask),
               optax.scale_by_learning_rate(learning_rate)),

@@ -201,7 +201,8 @@ def _frobenius_step(x, c, side, fold, eps):
   eps``) costs no pass over the stack: ``A / s^2``, and ``1 / s`` in the factor."""
   a = side.gram(x)
   d = jnp.real(jnp.diagonal(a, axis1=-2, axis2=-1))
-  norm = jnp.sqrt(d.astype(jnp.promote_types(d.dtype, jnp.float32)).sum(-1))
+  wide = d.dtype if jnp.finfo(d.dtype).bits >= 32 else jnp.float32  # (strict promotion)
+  norm = jnp.sqrt(d.astype(wide).sum(-1))
   s = (1 / (norm + eps))[:, None, None]
   real = jnp.real(a).dtype
   return _update(x, a * _real_as((s * s).astype(real), a), c, side, fold,
@@ -345,7 +346,7 @@ def _fast_chain(x, c, ns_steps, side, preconditioning, eps):
 
 def orthogonalize(leaves: Sequence[jax.Array], dims: Sequence, coeffs: jax.Array,
                   ns_steps: int, *, preconditioning: str = "frobenius", eps=1e-8,
-                  ns_dtype=None, ns_axes="auto") -> list[jax.Array]:
+                  ns_dtype=None, ns_axes="auto", stacks=None) -> list[jax.Array]:
   """Every leaf orthogonalized; leaves whose matrices share a shape and a dtype run as
   one batched chain (:func:`orthogonalize_stack` of their concatenated
   matrices).
@@ -356,6 +357,12 @@ def orthogonalize(leaves: Sequence[jax.Array], dims: Sequence, coeffs: jax.Array
   zero matrices padding it to a multiple of the devices: every device orthogonalizes whole
   matrices, so the iteration holds no collective; one reshard takes the stack there and the
   results back to their leaves' shardings.
+
+  ``stacks``: ``(indices, dtype) -> flat stack or None``, asked for the stack of the leaves
+  at ``indices`` (in ``dtype``, the chain's) where a group takes the fast form unspread and
+  its leaves are their matrices without a transpose: Muon's kernel writes it with the
+  momentum (:func:`~optirs_jax.orthogonal._momentum_stack.momentum_stack`); None, or no
+  ``stacks``: the leaves concatenated.
 
   >>> import jax.numpy as jnp
   >>> from optirs_jax.orthogonal import MuonDimensionNumbers, coefficients, orthogonalize
@@ -377,9 +384,16 @@ def orthogonalize(leaves: Sequence[jax.Array], dims: Sequence, coeffs: jax.Array
   explicit = [a for a in axes if dict(zip(mesh.axis_names, mesh.axis_types))[a] ==
               AxisType.Explicit]
   out: list = [None] * len(leaves)
-  for idx in groups.values():
+  for (shape, dtype), idx in groups.items():
     mats = [views[i].to_matrices(leaves[i]) for i in idx]
-    run = lambda mats: _orthogonalize_group(mats, coeffs, ns_steps, **kw)
+    stack = None
+    if (stacks is not None and not axes and not _exact(len(idx), shape, dtype, ns_dtype)
+        and all(views[i].transpose == tuple(sorted(views[i].transpose)) for i in idx)):
+      stack = stacks(idx, jnp.dtype(ns_dtype or dtype))
+    if stack is not None:
+      mats = [stack.reshape(-1, *shape)] + mats  # the stack first: the group's chain input
+    run = functools.partial(_orthogonalize_group, coeffs=coeffs, ns_steps=ns_steps,
+                            stacked=stack is not None, **kw)
     if explicit:  # GSPMD places the stack (Explicit axes would refuse its concatenation)
       run = jax.sharding.auto_axes(run, axes=tuple(explicit),
                                    out_sharding=[jax.typeof(m).sharding for m in mats])
@@ -388,19 +402,28 @@ def orthogonalize(leaves: Sequence[jax.Array], dims: Sequence, coeffs: jax.Array
   return out
 
 
-def _orthogonalize_group(mats, coeffs, ns_steps, *, mesh, axes, **kw):
-  """Matrices of one shape as one chain: concatenated, spread over ``axes`` (whole
-  matrices per device), orthogonalized, and split again."""
-  stack = mats[0] if len(mats) == 1 else jnp.concatenate(mats, axis=0)
+def _exact(n: int, shape, dtype, ns_dtype) -> bool:
+  """Whether a group of ``n`` leaves of matrices ``shape`` takes optax's program: one leaf
+  at the momentum's precision, its numbers bit for bit, unless its long side asks for the
+  fast form's padding and split Gram product."""
+  return (n == 1 and (ns_dtype is None or jnp.dtype(ns_dtype) == jnp.dtype(dtype))
+          and max(shape) <= _PAD_ABOVE)
+
+
+def _orthogonalize_group(mats, coeffs, ns_steps, *, mesh, axes, stacked=False, **kw):
+  """Matrices of one shape as one chain: concatenated (``stacked``: ``mats[0]`` is their
+  stack already), spread over ``axes`` (whole matrices per device), orthogonalized, and
+  split again."""
+  if stacked:
+    stack, mats = mats[0], mats[1:]
+  else:
+    stack = mats[0] if len(mats) == 1 else jnp.concatenate(mats, axis=0)
   batch = stack.shape[0]
   if axes:
     stack = spread(stack, mesh, axes)
-  ns_dtype = kw.get("ns_dtype")
-  # One leaf at the momentum's precision takes optax's program, its numbers bit for bit,
-  # unless its long side asks for the fast form's padding and split Gram product.
-  exact = (len(mats) == 1 and (ns_dtype is None or jnp.dtype(ns_dtype) == stack.dtype)
-           and max(stack.shape[1:]) <= _PAD_ABOVE)
+  exact = _exact(len(mats), stack.shape[1:], mats[0].dtype, kw.get("ns_dtype"))
   done = orthogonalize_stack(stack, coeffs, ns_steps, exact=exact, **kw)[:batch]
+  done = done.astype(mats[0].dtype)  # a stack given in the chain's dtype comes back so
   bounds = np.cumsum([0] + [m.shape[0] for m in mats])
   return [done[a:b] for a, b in itertools.pairwise(bounds)]
 

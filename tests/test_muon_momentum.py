@@ -1,0 +1,130 @@
+"""Muon's momentum and Newton–Schulz stack in one kernel (``orthogonal._momentum_stack``):
+the kernel (interpret mode here, Triton on a GPU) against the momentum's arithmetic written
+out in numpy, and Muon through it against optax.contrib.muon (momentum state and updates).
+
+This suite's process has 4 CPU devices, where the kernel stands aside (a ``pallas_call`` is
+opaque to XLA's partitioner): the tests here take it as a process of one device would.
+
+Tolerances: the kernel's float32 arithmetic against numpy's float64, 2 float32 ulps (XLA and
+Triton may fuse a multiply and an add); a bfloat16 stack, one bfloat16 rounding. Muon's
+updates: the stacks' 5e-6 relative per leaf of tests/test_muon.py; its momentum, 1e-6.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from optax import contrib
+
+import optirs_jax
+from optirs_jax.orthogonal import _momentum_stack
+from optirs_jax.orthogonal._momentum_stack import block_size, fusable, momentum_stack
+
+KEY = jax.random.PRNGKey(3)
+
+
+@pytest.fixture(autouse=True)
+def one_device(monkeypatch):
+  monkeypatch.setattr(_momentum_stack, "one_device", lambda: True)
+SHAPES = [(3, 16, 64), (16, 64), (2, 16, 64)]  # matrices 16 x 64, in leaves of 3, 1, 2
+
+
+def _numpy(gs, ms, beta, t, nesterov):
+  news, hats = [], []
+  for g, m in zip(gs, ms):
+    g, m = np.asarray(g, np.float64), np.asarray(m, np.float64)
+    new = beta * m + (1 - beta) * g
+    if nesterov:
+      hat = beta * new / (1 - beta ** (t + 1)) + (1 - beta) * g / (1 - beta**t)
+    else:
+      hat = new / (1 - beta**t)
+    news.append(new)
+    hats.append(hat.ravel())
+  return news, np.concatenate(hats)
+
+
+@pytest.mark.parametrize("backend", ["pallas", "jnp"])
+@pytest.mark.parametrize("nesterov", [True, False])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_momentum_and_stack_equal_the_arithmetic(backend, nesterov, dtype):
+  keys = jax.random.split(KEY, 2 * len(SHAPES))
+  gs = [jax.random.normal(k, s) for k, s in zip(keys, SHAPES)]
+  ms = [jax.random.normal(k, s) for k, s in zip(keys[len(SHAPES):], SHAPES)]
+  beta, t = 0.95, 3
+  h = jnp.array([1 - beta, beta, 1 - beta**t, 1 - beta ** (t + 1)], jnp.float32)
+  run = jax.jit(lambda gs, ms: momentum_stack(gs, ms, h, nesterov=nesterov,
+                                              stack_dtype=dtype, backend=backend))
+  if backend == "pallas":
+    assert "muon_momentum_stack" in str(jax.make_jaxpr(run)(gs, ms))
+  news, stack = run(gs, ms)
+  want_news, want_stack = _numpy(gs, ms, beta, t, nesterov)
+  assert stack.dtype == dtype and stack.shape == want_stack.shape
+  for got, want, m in zip(news, want_news, ms):
+    assert got.shape == m.shape and got.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got), want, rtol=2.4e-7, atol=1e-7)
+  rtol = 2.4e-7 if dtype == jnp.float32 else 2**-8
+  np.testing.assert_allclose(np.asarray(stack, np.float64), want_stack, rtol=rtol, atol=1e-6)
+
+
+def test_fusable_takes_float32_matrices_of_whole_blocks_only():
+  f, b = jnp.zeros((16, 64)), jnp.zeros((16, 64), jnp.bfloat16)
+  assert fusable([f, f], [f, f])
+  assert not fusable([f], [b])  # a bfloat16 momentum (mu_dtype)
+  assert not fusable([jnp.zeros((7, 9))], [jnp.zeros((7, 9))])  # 63: no whole block
+  assert not fusable([f], [jnp.zeros((64, 16))])
+  assert block_size(768 * 3072) == 4096 and block_size(1024) == 1024
+  assert block_size(768) is None
+
+
+def _tree():
+  shapes = {f"up{i}": (16, 64) for i in range(3)} | {"vocab": (4224, 8), "b": (16,),
+                                                      "odd": (7, 9)}
+  return {k: jax.random.normal(jax.random.fold_in(KEY, i), s)
+          for i, (k, s) in enumerate(shapes.items())}
+
+
+@pytest.mark.parametrize("kw", [{}, {"nesterov": False}, {"beta": 0.9, "ns_coeffs": "dion"}],
+                         ids=["default", "no-nesterov", "dion"])
+def test_muon_through_the_kernel_matches_optax(kw, standard_promotion):
+  # A stack of three matrices and a long one take the kernel; 7 x 9 (no whole block) and
+  # the vector do not. Three steps: the momentum carried in the state.
+  params = _tree()
+  ours, ref = optirs_jax.muon(0.02, backend="pallas", **kw), contrib.muon(0.02, **kw)
+  grads = lambda t: jax.tree.map(lambda v: jnp.sin(v * (t + 1)), params)
+  step = lambda tx: jax.jit(tx.update)
+  assert str(jax.make_jaxpr(ours.update)(grads(0), ours.init(params), params)).count(
+    "name=muon_momentum_stack") == 2
+  with jax.default_matmul_precision("highest"):
+    states = [ours.init(params), ref.init(params)]
+    for t in range(3):
+      (u, s), (u_ref, s_ref) = [step(tx)(grads(t), st, params)
+                                for tx, st in zip((ours, ref), states)]
+      states = [s, s_ref]
+      for k in params:
+        rel = float(jnp.linalg.norm(u[k] - u_ref[k]) / jnp.linalg.norm(u_ref[k]))
+        assert rel < 5e-6, (t, k, rel)
+  mu = lambda s: s.inner_states["muon"].inner_state[0].mu
+  for k in ("up0", "up2", "vocab", "odd"):
+    np.testing.assert_allclose(mu(states[0])[k], mu(states[1])[k], rtol=1e-6, atol=1e-7)
+
+
+def test_a_bfloat16_momentum_keeps_xlas_two_passes(standard_promotion):
+  params = _tree()
+  tx = optirs_jax.muon(0.02, mu_dtype=jnp.bfloat16, backend="pallas")
+  jaxpr = str(jax.make_jaxpr(tx.update)(params, tx.init(params), params))
+  assert "muon_momentum_stack" not in jaxpr
+
+
+def test_several_devices_keep_xlas_two_passes(monkeypatch):
+  monkeypatch.setattr(_momentum_stack, "one_device", lambda: False)
+  f = jnp.zeros((16, 64))
+  assert not fusable([f], [f])
+
+
+def test_bad_backend_is_named():
+  with pytest.raises(ValueError, match="backend='cuda' is not a known backend"):
+    optirs_jax.muon(0.02, backend="cuda")
+  with pytest.raises(ValueError, match="valid backends"):
+    optirs_jax.orthogonal.scale_by_muon(backend="triton")
+  assert isinstance(optirs_jax.muon(0.02, backend="jnp"), optax.GradientTransformation)
