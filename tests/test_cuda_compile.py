@@ -185,13 +185,14 @@ def test_quantized_state_runs_in_one_grouped_kernel_for_an_h200(h200, name, kw, 
 @pytest.mark.parametrize("ns_dtype", [None, jnp.bfloat16], ids=["float32", "bfloat16"])
 def test_muon_momentum_and_stacks_compile_in_one_kernel_each_for_an_h200(
     h200, ns_dtype, monkeypatch):
-  # A stack of three matrices and a long one: the momentum and each stack in one Triton
-  # launch each (in a process of one device: this suite's has 4 CPU devices); the AdamW
-  # vector's grouped launch beside them; 7 x 9 stays on XLA.
+  # A stack of three matrices and a long one (each ending past its last whole block): the
+  # momentum and each stack in one Triton launch each (in a process of one device: this
+  # suite's has 4 CPU devices), no copy of a momentum for the in-place write; 7 x 9 and
+  # the vector stay on XLA.
   from optirs_jax.orthogonal import _momentum_stack
   monkeypatch.setattr(_momentum_stack, "one_device", lambda: True)
   opt = optirs_jax.muon(0.02, ns_dtype=ns_dtype)
-  params = {"w": [jnp.zeros((64, 128))] * 3, "vocab": jnp.zeros((4224, 64)),
+  params = {"w": [jnp.zeros((64, 100))] * 3, "vocab": jnp.zeros((4225, 64)),
             "b": jnp.zeros(64), "odd": jnp.zeros((7, 9))}
 
   def step(p, s, g):
@@ -201,3 +202,4 @@ def test_muon_momentum_and_stacks_compile_in_one_kernel_each_for_an_h200(
   text = _compile(step, params, opt.init(params), params)
   calls = [line for line in text.split("\n") if f'custom_call_target="{TRITON}"' in line]
   assert sum("muon_momentum_stack" in line for line in calls) == 2, calls
+  assert not re.search(r"= f32\[(64,100|4225,64|6400|270400)\]\S* copy\(", text)

@@ -9,8 +9,8 @@ and writes both the new momentum (in place) and :math:`\hat m` of every leaf int
 stack, cast to the chain's dtype: 14 bytes a parameter with a bfloat16 stack, against
 22 (float32: 16 against 24).
 
-It runs on float32 gradients and momenta (``mu_dtype`` None or float32) whose matrices
-are whole blocks of the flat buffer, on a process of one device (a ``pallas_call`` is
+It runs on float32 gradients and momenta (``mu_dtype`` None or float32) of leaves of at
+least 4096 elements, on a process of one device (a ``pallas_call`` is
 opaque to XLA's partitioner: sharded leaves would be gathered); anywhere else the caller
 keeps XLA's two passes (:func:`fusable`).
 """
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import math
 from collections.abc import Sequence
 
 import jax
@@ -29,9 +28,9 @@ from jax.experimental.pallas import triton as pltriton
 
 from optirs_jax.pallas import lazy_branches
 
-#: Elements a program reads of each leaf (the elementwise kernels' 32 x 128 block), and
-#: the least block a matrix's size must be a multiple of.
-_BLOCK, _MIN_BLOCK = 4096, 512
+#: Elements a program reads of each leaf (the elementwise kernels' 32 x 128 block); a
+#: leaf's elements past its last whole block are computed by XLA and written in place.
+BLOCK = 4096
 
 
 def momentum(g, m, h, nesterov: bool):
@@ -45,12 +44,6 @@ def momentum(g, m, h, nesterov: bool):
   return new, new / c_now
 
 
-def block_size(matrix_size: int) -> int | None:
-  """The largest power of two up to 4096 that divides ``matrix_size``; None below 512."""
-  block = math.gcd(matrix_size, _BLOCK)
-  return block if block >= _MIN_BLOCK and block & (block - 1) == 0 else None
-
-
 def one_device() -> bool:
   """Whether this process computes on one device (its leaves then unsharded)."""
   return len(jax.devices()) == 1
@@ -61,14 +54,14 @@ def fusable(gs: Sequence[jax.Array], ms: Sequence[jax.Array]) -> bool:
   f32 = jnp.dtype(jnp.float32)
   return (one_device() and len(gs) == len(ms) > 0
           and all(jnp.dtype(x.dtype) == f32 for x in (*gs, *ms))
-          and all(m.shape == g.shape for g, m in zip(gs, ms))
-          and block_size(math.prod(gs[0].shape[-2:])) is not None
+          and all(m.shape == g.shape and g.size >= BLOCK for g, m in zip(gs, ms))
           and sum(g.size for g in gs) < 2**31)
 
 
-def _body(h_ref, *refs, bounds, nesterov):
-  n = len(bounds) - 1
-  g_refs, m_refs, new_refs, stack_ref = refs[:n], refs[n:2 * n], refs[2 * n:3 * n], refs[-1]
+def _body(h_ref, *refs, bounds, offsets, nesterov, n_deps):
+  n = len(offsets)
+  g_refs, m_refs = refs[:n], refs[n:2 * n]
+  new_refs, stack_ref = refs[2 * n + n_deps:3 * n + n_deps], refs[-1]
   h = tuple(h_ref[j] for j in range(4))
   i = pl.program_id(0)
   for k in range(n):  # the leaf whose blocks this program's index falls in
@@ -76,35 +69,50 @@ def _body(h_ref, *refs, bounds, nesterov):
     def _(k=k):
       new, hat = momentum(g_refs[k][...], m_refs[k][...], h, nesterov)
       new_refs[k][...] = new
-      stack_ref[...] = hat.astype(stack_ref.dtype)
+      start = offsets[k] + (i - bounds[k]) * BLOCK
+      stack_ref[pl.ds(start, BLOCK)] = hat.astype(stack_ref.dtype)
 
 
 def _kernel(h, gs, ms, *, nesterov, stack_dtype, interpret):
   sizes = [g.size for g in gs]
-  block = block_size(math.prod(gs[0].shape[-2:]))
-  bounds = tuple(itertools.accumulate([s // block for s in sizes], initial=0))
+  bounds = tuple(itertools.accumulate([s // BLOCK for s in sizes], initial=0))
+  offsets = tuple(itertools.accumulate(sizes[:-1], initial=0))
   n = len(gs)
+  gs, ms = [g.reshape(-1) for g in gs], [m.reshape(-1) for m in ms]
 
-  def leaf_spec(k):  # block i of the stack, clamped into leaf k's own blocks
+  def leaf_spec(k):  # block i of the launch, clamped into leaf k's own blocks
     first, last = bounds[k], bounds[k + 1] - 1
-    return pl.BlockSpec((block,), lambda i: (jnp.clip(i - first, 0, last - first),))
+    return pl.BlockSpec((BLOCK,), lambda i: (jnp.clip(i - first, 0, last - first),))
 
   specs = [leaf_spec(k) for k in range(n)]
   out_shape = ([jax.ShapeDtypeStruct((s,), jnp.float32) for s in sizes]
-               + [jax.ShapeDtypeStruct((bounds[-1] * block,), stack_dtype)])
+               + [jax.ShapeDtypeStruct((sum(sizes),), stack_dtype)])
+  # The elements past each leaf's whole blocks, by XLA. The kernel takes them as operands
+  # it does not read: so they are computed before it writes the momenta in place (else XLA
+  # copies each momentum to keep the old one for them).
+  tails = [(k, bounds[k + 1] - bounds[k]) for k in range(n) if sizes[k] % BLOCK]
+  tails = [(k, j * BLOCK, momentum(gs[k][j * BLOCK:], ms[k][j * BLOCK:], h, nesterov))
+           for k, j in tails]
+  deps = [x for _, _, pair in tails for x in pair]
   outs = pl.pallas_call(
-      functools.partial(_body, bounds=bounds, nesterov=nesterov),
+      functools.partial(_body, bounds=bounds, offsets=offsets, nesterov=nesterov,
+                        n_deps=len(deps)),
       out_shape=tuple(out_shape),
       grid=(bounds[-1],),
-      in_specs=[pl.BlockSpec((4,), lambda i: (0,))] + specs + specs,
-      out_specs=tuple(specs + [pl.BlockSpec((block,), lambda i: (i,))]),
+      in_specs=([pl.BlockSpec((4,), lambda i: (0,))] + specs + specs
+                + [pl.BlockSpec(memory_space=pl.ANY)] * len(deps)),
+      out_specs=tuple(specs + [pl.no_block_spec]),
       input_output_aliases={1 + n + k: k for k in range(n)},  # each momentum in place
       interpret=interpret,
       compiler_params=None if interpret else pltriton.CompilerParams(num_warps=4,
                                                                       num_stages=1),
       name="muon_momentum_stack",
-  )(h, *[g.reshape(-1) for g in gs], *[m.reshape(-1) for m in ms])
-  return list(outs[:n]), outs[n]
+  )(h, *gs, *ms, *deps)
+  news, stack = list(outs[:n]), outs[n]
+  for k, start, (new, hat) in tails:
+    news[k] = news[k].at[start:].set(new)
+    stack = stack.at[offsets[k] + start:offsets[k] + sizes[k]].set(hat.astype(stack_dtype))
+  return news, stack
 
 
 def _reference(h, gs, ms, *, nesterov, stack_dtype):
@@ -136,13 +144,16 @@ def momentum_stack(gs: Sequence[jax.Array], ms: Sequence[jax.Array], h: jax.Arra
     corrected momenta one after another (reshape it to the matrices).
 
   >>> import jax.numpy as jnp
-  >>> gs, ms = [jnp.ones((8, 64))] * 2, [jnp.zeros((8, 64))] * 2
+  >>> gs, ms = [jnp.ones((64, 80))] * 2, [jnp.zeros((64, 80))] * 2
   >>> h = jnp.array([0.1, 0.9, 0.1, 0.19])
   >>> new, stack = momentum_stack(gs, ms, h, nesterov=False, stack_dtype=jnp.bfloat16)
-  >>> float(new[0][0, 0]), stack.shape, float(stack[0])
-  (0.10000000149011612, (1024,), 1.0)
+  >>> float(new[0][0, 0]), stack.shape, float(stack[-1])
+  (0.10000000149011612, (10240,), 1.0)
   """
   shapes = [m.shape for m in ms]
+  if min(m.size for m in ms) < BLOCK:
+    raise ValueError(f"momentum_stack takes leaves of at least {BLOCK} elements, got shapes "
+                     f"{shapes}")
   args = (h, list(gs), list(ms))
   ref = lambda a: _reference(*a, nesterov=nesterov, stack_dtype=stack_dtype)
   kernel = lambda interpret: lambda a: _kernel(*a, nesterov=nesterov,
