@@ -9,10 +9,12 @@ and writes both the new momentum (in place) and :math:`\hat m` of every leaf int
 stack, cast to the chain's dtype: 14 bytes a parameter with a bfloat16 stack, against
 22 (float32: 16 against 24).
 
-It runs on float32 gradients and momenta (``mu_dtype`` None or float32) of leaves of at
-least 4096 elements, on a process of one device (a ``pallas_call`` is
-opaque to XLA's partitioner: sharded leaves would be gathered); anywhere else the caller
-keeps XLA's two passes (:func:`fusable`).
+It runs on float32 gradients and momenta (``mu_dtype`` None or float32), on a process of
+one device (a ``pallas_call`` is opaque to XLA's partitioner: sharded leaves would be
+gathered); anywhere else the caller keeps XLA's two passes (:func:`fusable`). A program
+takes 4096 elements of one leaf, its loads and stores masked past the leaf's end, so no
+part of a leaf is left to XLA: XLA's CUDA compile of jax 0.11 copied a momentum written
+in place whose tail XLA had read (two copies of GPT-2's embedding a step, 0.21 ms).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from jax.experimental.pallas import triton as pltriton
 from optirs_jax.pallas import lazy_branches
 
 #: Elements a program reads of each leaf (the elementwise kernels' 32 x 128 block); a
-#: leaf's elements past its last whole block are computed by XLA and written in place.
+#: leaf's last block is masked past its end.
 BLOCK = 4096
 
 
@@ -54,65 +56,49 @@ def fusable(gs: Sequence[jax.Array], ms: Sequence[jax.Array]) -> bool:
   f32 = jnp.dtype(jnp.float32)
   return (one_device() and len(gs) == len(ms) > 0
           and all(jnp.dtype(x.dtype) == f32 for x in (*gs, *ms))
-          and all(m.shape == g.shape and g.size >= BLOCK for g, m in zip(gs, ms))
+          and all(m.shape == g.shape for g, m in zip(gs, ms))
           and sum(g.size for g in gs) < 2**31)
 
 
-def _body(h_ref, *refs, bounds, offsets, nesterov, n_deps):
-  n = len(offsets)
-  g_refs, m_refs = refs[:n], refs[n:2 * n]
-  new_refs, stack_ref = refs[2 * n + n_deps:3 * n + n_deps], refs[-1]
+def _body(h_ref, *refs, bounds, sizes, offsets, nesterov):
+  n = len(sizes)
+  g_refs, m_refs, new_refs, stack_ref = refs[:n], refs[n:2 * n], refs[2 * n:3 * n], refs[-1]
   h = tuple(h_ref[j] for j in range(4))
   i = pl.program_id(0)
+  lane = jnp.arange(BLOCK, dtype=jnp.int32)
   for k in range(n):  # the leaf whose blocks this program's index falls in
     @pl.when((i >= bounds[k]) & (i < bounds[k + 1]))
     def _(k=k):
-      new, hat = momentum(g_refs[k][...], m_refs[k][...], h, nesterov)
-      new_refs[k][...] = new
-      start = offsets[k] + (i - bounds[k]) * BLOCK
-      stack_ref[pl.ds(start, BLOCK)] = hat.astype(stack_ref.dtype)
+      idx = (i - bounds[k]) * BLOCK + lane
+      mask = idx < sizes[k]
+      load = lambda r: pltriton.load(r.at[idx], mask=mask, other=jnp.float32(0))
+      new, hat = momentum(load(g_refs[k]), load(m_refs[k]), h, nesterov)
+      pltriton.store(new_refs[k].at[idx], new, mask=mask)
+      pltriton.store(stack_ref.at[offsets[k] + idx], hat.astype(stack_ref.dtype), mask=mask)
 
 
 def _kernel(h, gs, ms, *, nesterov, stack_dtype, interpret):
-  sizes = [g.size for g in gs]
-  bounds = tuple(itertools.accumulate([s // BLOCK for s in sizes], initial=0))
+  sizes = tuple(g.size for g in gs)
+  bounds = tuple(itertools.accumulate([-(-s // BLOCK) for s in sizes], initial=0))
   offsets = tuple(itertools.accumulate(sizes[:-1], initial=0))
   n = len(gs)
-  gs, ms = [g.reshape(-1) for g in gs], [m.reshape(-1) for m in ms]
-
-  def leaf_spec(k):  # block i of the launch, clamped into leaf k's own blocks
-    first, last = bounds[k], bounds[k + 1] - 1
-    return pl.BlockSpec((BLOCK,), lambda i: (jnp.clip(i - first, 0, last - first),))
-
-  specs = [leaf_spec(k) for k in range(n)]
+  whole = pl.BlockSpec()
   out_shape = ([jax.ShapeDtypeStruct((s,), jnp.float32) for s in sizes]
                + [jax.ShapeDtypeStruct((sum(sizes),), stack_dtype)])
-  # The elements past each leaf's whole blocks, by XLA. The kernel takes them as operands
-  # it does not read: so they are computed before it writes the momenta in place (else XLA
-  # copies each momentum to keep the old one for them).
-  tails = [(k, bounds[k + 1] - bounds[k]) for k in range(n) if sizes[k] % BLOCK]
-  tails = [(k, j * BLOCK, momentum(gs[k][j * BLOCK:], ms[k][j * BLOCK:], h, nesterov))
-           for k, j in tails]
-  deps = [x for _, _, pair in tails for x in pair]
   outs = pl.pallas_call(
-      functools.partial(_body, bounds=bounds, offsets=offsets, nesterov=nesterov,
-                        n_deps=len(deps)),
+      functools.partial(_body, bounds=bounds, sizes=sizes, offsets=offsets,
+                        nesterov=nesterov),
       out_shape=tuple(out_shape),
       grid=(bounds[-1],),
-      in_specs=([pl.BlockSpec((4,), lambda i: (0,))] + specs + specs
-                + [pl.BlockSpec(memory_space=pl.ANY)] * len(deps)),
-      out_specs=tuple(specs + [pl.no_block_spec]),
+      in_specs=[pl.BlockSpec((4,), lambda i: (0,))] + [whole] * (2 * n),
+      out_specs=tuple([whole] * (n + 1)),
       input_output_aliases={1 + n + k: k for k in range(n)},  # each momentum in place
       interpret=interpret,
       compiler_params=None if interpret else pltriton.CompilerParams(num_warps=4,
                                                                       num_stages=1),
       name="muon_momentum_stack",
-  )(h, *gs, *ms, *deps)
-  news, stack = list(outs[:n]), outs[n]
-  for k, start, (new, hat) in tails:
-    news[k] = news[k].at[start:].set(new)
-    stack = stack.at[offsets[k] + start:offsets[k] + sizes[k]].set(hat.astype(stack_dtype))
-  return news, stack
+  )(h, *[g.reshape(-1) for g in gs], *[m.reshape(-1) for m in ms])
+  return list(outs[:n]), outs[n]
 
 
 def _reference(h, gs, ms, *, nesterov, stack_dtype):
@@ -151,9 +137,6 @@ def momentum_stack(gs: Sequence[jax.Array], ms: Sequence[jax.Array], h: jax.Arra
   (0.10000000149011612, (10240,), 1.0)
   """
   shapes = [m.shape for m in ms]
-  if min(m.size for m in ms) < BLOCK:
-    raise ValueError(f"momentum_stack takes leaves of at least {BLOCK} elements, got shapes "
-                     f"{shapes}")
   args = (h, list(gs), list(ms))
   ref = lambda a: _reference(*a, nesterov=nesterov, stack_dtype=stack_dtype)
   kernel = lambda interpret: lambda a: _kernel(*a, nesterov=nesterov,
