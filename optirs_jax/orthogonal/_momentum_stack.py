@@ -29,6 +29,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from optirs_jax.pallas import lazy_branches
+from optirs_jax.pallas.dispatch import lowering_targets
 
 #: Elements a program reads of each leaf (the elementwise kernels' 32 x 128 block); a
 #: leaf's last block is masked past its end.
@@ -141,8 +142,6 @@ def momentum_stack(gs: Sequence[jax.Array], ms: Sequence[jax.Array], h: jax.Arra
   ref = lambda a: _reference(*a, nesterov=nesterov, stack_dtype=stack_dtype)
   kernel = lambda interpret: lambda a: _kernel(*a, nesterov=nesterov,
                                                stack_dtype=stack_dtype, interpret=interpret)
-  from optirs_jax.pallas.dispatch import lowering_targets  # the dispatch imports this package
-
   other = ref if backend == "auto" else kernel(True)  # off a GPU: XLA, or interpret mode
   if backend == "jnp":
     news, stack = ref(args)
