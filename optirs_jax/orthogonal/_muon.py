@@ -123,23 +123,23 @@ def scale_by_muon(ns_coeffs: Any = PRESETS["standard"], ns_steps: int = 5,
     count = optax.safe_increment(state.count)
     new_mu = [(1 - beta) * g + beta * m for g, m in zip(gs, mus)]
     # 1 - beta^n in float32 (as optax's power promotes the count), then in t's dtype.
-    correct = lambda t, n: t / (1 - beta**n.astype(jnp.float32)).astype(t.dtype)
+    debias = lambda n: 1 - beta**n.astype(jnp.float32)
+    correct = lambda t, n: t / debias(n).astype(t.dtype)
+    later = optax.safe_increment(count)
     if nesterov:
-      later = optax.safe_increment(count)
       mu_hat = [beta * correct(m, later) + (1 - beta) * correct(g, count)
                 for m, g in zip(new_mu, gs)]
     else:
       mu_hat = [correct(m, count) for m in new_mu]
     fused = {}  # leaf -> its momentum, where the kernel wrote it with the stack
+    f32 = jnp.float32  # the kernel's scalars (unused, and dropped, where no stack takes it)
+    h = jnp.stack([jnp.asarray(1 - beta, f32), jnp.asarray(beta, f32),
+                   debias(count).astype(f32), debias(later).astype(f32)])
 
     def stacks(idx, dtype):  # the stack of the leaves at idx, and their momenta, one pass
       g, m = [gs[i] for i in idx], [mus[i] for i in idx]
       if backend == "jnp" or not fusable(g, m):
         return None
-      f32 = jnp.float32
-      c = lambda n: (1 - beta ** n.astype(f32)).astype(f32)
-      h = jnp.stack([jnp.asarray(1 - beta, f32), jnp.asarray(beta, f32), c(count),
-                     c(optax.safe_increment(count))])
       news, stack = momentum_stack(g, m, h, nesterov=nesterov, stack_dtype=dtype,
                                    backend=backend)
       fused.update(zip(idx, news))

@@ -390,10 +390,8 @@ def orthogonalize(leaves: Sequence[jax.Array], dims: Sequence, coeffs: jax.Array
     if (stacks is not None and not axes and not _exact(len(idx), shape, dtype, ns_dtype)
         and all(views[i].transpose == tuple(sorted(views[i].transpose)) for i in idx)):
       stack = stacks(idx, jnp.dtype(ns_dtype or dtype))
-    if stack is not None:
-      mats = [stack.reshape(-1, *shape)] + mats  # the stack first: the group's chain input
     run = functools.partial(_orthogonalize_group, coeffs=coeffs, ns_steps=ns_steps,
-                            stacked=stack is not None, **kw)
+                            stack=None if stack is None else stack.reshape(-1, *shape), **kw)
     if explicit:  # GSPMD places the stack (Explicit axes would refuse its concatenation)
       run = jax.sharding.auto_axes(run, axes=tuple(explicit),
                                    out_sharding=[jax.typeof(m).sharding for m in mats])
@@ -410,13 +408,11 @@ def _exact(n: int, shape, dtype, ns_dtype) -> bool:
           and max(shape) <= _PAD_ABOVE)
 
 
-def _orthogonalize_group(mats, coeffs, ns_steps, *, mesh, axes, stacked=False, **kw):
-  """Matrices of one shape as one chain: concatenated (``stacked``: ``mats[0]`` is their
-  stack already), spread over ``axes`` (whole matrices per device), orthogonalized, and
-  split again."""
-  if stacked:
-    stack, mats = mats[0], mats[1:]
-  else:
+def _orthogonalize_group(mats, coeffs, ns_steps, *, mesh, axes, stack=None, **kw):
+  """Matrices of one shape as one chain: concatenated (unless ``stack`` is their stack
+  already), spread over ``axes`` (whole matrices per device), orthogonalized, and split
+  again."""
+  if stack is None:
     stack = mats[0] if len(mats) == 1 else jnp.concatenate(mats, axis=0)
   batch = stack.shape[0]
   if axes:
