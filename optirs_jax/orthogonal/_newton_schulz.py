@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType
 
+from optirs_jax.orthogonal import _ns_steps as ns
 from optirs_jax.orthogonal._spread import mesh_of, spread, spread_axes
 
 #: Newton–Schulz coefficients by name (optax's presets): Keller Jordan's quintic, and
@@ -45,7 +46,6 @@ PRESETS = {
              (2.8769, -3.1427, 1.2046), (2.8366, -3.0525, 1.2012)),
 }
 PRECONDITIONINGS = ("frobenius", "spectral", "aol", "schatten")
-_FIRST_STEP_EPS = 1e-8  # the floor of the AOL and Schatten-4 rescalings (optax's)
 
 
 class MuonDimensionNumbers(NamedTuple):
@@ -116,105 +116,6 @@ def coefficients(ns_coeffs, ns_steps: int) -> jax.Array:
                        "not enough steps to use them")
     c = c[-ns_steps:]
   return c
-
-
-def _real_as(v, x):
-  """A real scale ``v`` for ``x``: as it is, or cast to ``x``'s complex dtype (what numpy's
-  promotion does; written out so that strict promotion takes it too)."""
-  return v.astype(x.dtype) if jnp.iscomplexobj(x) else v
-
-
-class _Side(NamedTuple):
-  """How a stack of matrices is multiplied, by its orientation. A wide stack (rows <=
-  columns) takes optax's iteration, ``A = X X^H`` and ``X' = c0 X + B X``; a tall one is
-  read as the transpose of a wide one, ``Y = X^T``, without moving it: ``A^T = Y^H Y`` and
-  ``Y' = c0 Y + Y B^T`` (``B^T`` is ``B`` of ``A^T``: transposing commutes with the
-  polynomial), so the products take their operands in place of a transpose each way.
-  ``splits`` (tall stacks only): the Gram product as that many products over consecutive
-  row blocks, summed in float32 (:func:`gram_splits`)."""
-
-  tall: bool
-  splits: int = 1
-
-  def gram(self, x, conj: bool = True):
-    """``X X^H`` (``Y^H Y`` for a tall stack; ``conj=False``: the plain transposes)."""
-    if not self.tall:  # optax's expression, so that the exact program is its program
-      xt = jnp.swapaxes(x, -1, -2)
-      return x @ (xt.conj() if conj else xt)
-    if self.splits == 1:
-      return _batched_dot(x.conj() if conj else x, x, 1)
-    b, n, m = x.shape  # row blocks as a batch (a reshape of the row-major stack, no copy)
-    parts = x.reshape(b * self.splits, n // self.splits, m)
-    acc = jnp.float32 if x.dtype.itemsize < 4 else x.dtype  # bfloat16 sums in float32
-    a = _batched_dot(parts.conj() if conj else parts, parts, 1, acc)
-    return a.reshape(b, self.splits, m, m).sum(1).astype(x.dtype)
-
-  def apply(self, b, x):
-    return _batched_dot(x, b, 2) if self.tall else b @ x
-
-  def scale(self, x, s):
-    """``x`` with each of its Gram matrix's rows' vectors (rows of a wide stack, columns
-    of a tall one) scaled by ``s`` (``[..., k]``)."""
-    return x * (s[..., None, :] if self.tall else s[..., :, None])
-
-
-def _batched_dot(a, b, axis: int, out=None):
-  """``a`` and ``b`` (``[batch, ., .]``) contracted over ``a``'s ``axis`` and ``b``'s rows
-  (an operand's transpose taken in place by the product), in ``out`` (default: theirs)."""
-  return jax.lax.dot_general(a, b, (((axis,), (1,)), ((0,), (0,))),
-                             preferred_element_type=out or jnp.result_type(a, b))
-
-
-def _update(x, a, c, side, fold: bool, scale=None):
-  """The step's new iterate from ``x`` and its (rescaled) Gram matrix ``a``:
-  ``c0 X + (c1 A + c2 A A) X`` in optax's order (``c2 * A`` formed before its product with
-  ``A``), or with ``fold`` the one product ``(c0 I + c1 A + c2 A A) X``, its factor
-  materialized first (a product fed by an elementwise prologue falls off cuBLAS) and
-  times ``scale`` (``[batch, 1, 1]``) where given."""
-  b = c[1] * a + c[2] * a @ a
-  if not fold:
-    return c[0] * x + side.apply(b, x)
-  b = b + c[0] * jnp.eye(a.shape[-1], dtype=a.dtype)[None]
-  if scale is not None:
-    b = b * scale
-  return side.apply(jax.lax.optimization_barrier(b), x)
-
-
-def _step(x, c, side, fold):
-  """One quintic step on a stack: ``c0 X + (c1 A + c2 A A) X`` with ``A = X X^H``."""
-  return _update(x, side.gram(x), c, side, fold)
-
-
-def _aol_step(x, c, side, fold):
-  """The first step with AOL rescaling (Boissin et al., 2025): each row scaled by the
-  inverse square root of its Gram row's absolute sum."""
-  a = side.gram(x)
-  s = jax.lax.rsqrt(jnp.clip(jnp.abs(a).sum(axis=-2 if side.tall else -1),
-                             min=_FIRST_STEP_EPS))
-  s = _real_as(s, x)
-  return _update(side.scale(x, s), a * s[..., :, None] * s[..., None, :], c, side, fold)
-
-
-def _frobenius_step(x, c, side, fold, eps):
-  """The first step of the unnormalized ``x``, divided by its Frobenius norm inside the
-  step: the norm squared is the trace of the Gram matrix, so ``X / s`` (``s = |X|_F +
-  eps``) costs no pass over the stack: ``A / s^2``, and ``1 / s`` in the factor."""
-  a = side.gram(x)
-  d = jnp.real(jnp.diagonal(a, axis1=-2, axis2=-1))
-  wide = d.dtype if jnp.finfo(d.dtype).bits >= 32 else jnp.float32  # (strict promotion)
-  norm = jnp.sqrt(d.astype(wide).sum(-1))
-  s = (1 / (norm + eps))[:, None, None]
-  real = jnp.real(a).dtype
-  return _update(x, a * _real_as((s * s).astype(real), a), c, side, fold,
-                 _real_as(s.astype(real), a))
-
-
-def _schatten_step(x, c, side, fold):
-  """The first step rescaled by the Schatten-4 norm (Grishina et al., 2025)."""
-  a = side.gram(x, conj=False)  # optax's: no conjugate
-  norm = jnp.linalg.norm(a, ord="fro", axis=(-2, -1), keepdims=True)
-  s = _real_as(jax.lax.rsqrt(jnp.clip(norm, min=_FIRST_STEP_EPS)), x)
-  return _update(x * s, a * s**2, c, side, fold)
 
 
 #: Stacks whose long side is above this are padded to a multiple of ``_PAD`` once, before
@@ -291,14 +192,14 @@ def orthogonalize_stack(x: jax.Array, coeffs: jax.Array, ns_steps: int, *,
   swap = (exact and tall) or (parts > 1 and not tall)
   if swap:  # optax's program takes a wide stack; a split Gram product a tall one
     x, tall = jnp.swapaxes(x, -1, -2), not tall
-  side = _Side(tall, parts)
+  side = ns.Side(tall, parts)
   axis = -2 if side.tall else -1
   if padded != long:  # zeros: A and the rest unchanged
     pad = [(0, 0)] * x.ndim
     pad[axis] = (0, padded - long)
     x = jnp.pad(x, pad)
   if preconditioning == "spectral":
-    x = x / _real_as(jnp.linalg.norm(x, ord=2, axis=(-2, -1), keepdims=True) + eps, x)
+    x = x / ns.real_as(jnp.linalg.norm(x, ord=2, axis=(-2, -1), keepdims=True) + eps, x)
   chain = _exact_chain if exact else _fast_chain
   x = chain(x, coeffs.astype(x.dtype), ns_steps, side, preconditioning, eps)
   if padded != long:
@@ -312,21 +213,21 @@ def _exact_chain(x, c, ns_steps, side, preconditioning, eps):
   ``cond``, so that XLA compiles the same iteration and the numbers are optax's bit for
   bit."""
   if preconditioning == "frobenius":
-    x = x / _real_as(jnp.linalg.norm(x, ord="fro", axis=(-2, -1), keepdims=True) + eps, x)
-  first = {"aol": _aol_step, "schatten": _schatten_step}.get(preconditioning)
+    x = x / ns.real_as(jnp.linalg.norm(x, ord="fro", axis=(-2, -1), keepdims=True) + eps, x)
+  first = {"aol": ns.aol_step, "schatten": ns.schatten_step}.get(preconditioning)
 
-  def step(i, x, row):
+  def one(i, x, row):
     if first is None:
-      return _step(x, row, side, False)
+      return ns.step(x, row, side, False)
     return jax.lax.cond(i == 0, lambda x: first(x, row, side, False),
-                        lambda x: _step(x, row, side, False), x)
+                        lambda x: ns.step(x, row, side, False), x)
 
   if c.ndim == 1:
-    return jax.lax.fori_loop(0, ns_steps, lambda i, x: step(i, x, c), x, unroll=True)
+    return jax.lax.fori_loop(0, ns_steps, lambda i, x: one(i, x, c), x, unroll=True)
 
   def body(carry, row):
     i, x = carry
-    return (i + 1, step(i, x, row)), None
+    return (i + 1, one(i, x, row)), None
 
   return jax.lax.scan(body, (jnp.asarray(0, jnp.int32), x), c)[0][1]
 
@@ -334,14 +235,14 @@ def _exact_chain(x, c, ns_steps, side, preconditioning, eps):
 def _fast_chain(x, c, ns_steps, side, preconditioning, eps):
   """The fast form's steps: the first one taken apart (its rescaling: AOL, Schatten-4, or
   the Frobenius norm's division folded into it), the others as an unrolled loop."""
-  first = {"aol": _aol_step, "schatten": _schatten_step,
-           "frobenius": functools.partial(_frobenius_step, eps=eps)}.get(preconditioning,
-                                                                         _step)
+  first = {"aol": ns.aol_step, "schatten": ns.schatten_step,
+           "frobenius": functools.partial(ns.frobenius_step, eps=eps)}.get(preconditioning,
+                                                                         ns.step)
   x = first(x, c if c.ndim == 1 else c[0], side, True)
   if c.ndim == 1:
-    return jax.lax.fori_loop(1, ns_steps, lambda i, x: _step(x, c, side, True), x,
+    return jax.lax.fori_loop(1, ns_steps, lambda i, x: ns.step(x, c, side, True), x,
                              unroll=True)
-  return jax.lax.scan(lambda x, row: (_step(x, row, side, True), None), x, c[1:])[0]
+  return jax.lax.scan(lambda x, row: (ns.step(x, row, side, True), None), x, c[1:])[0]
 
 
 def orthogonalize(leaves: Sequence[jax.Array], dims: Sequence, coeffs: jax.Array,

@@ -1,0 +1,114 @@
+r"""The steps of the Newton–Schulz iteration on a stack of matrices, by its orientation.
+
+:class:`Side` says how a stack is multiplied (wide as optax does, tall read as the
+transpose of a wide one in place); the steps are optax's quintic step and its first-step
+variants (AOL, Schatten-4, and the Frobenius normalization folded into the first step).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+_FIRST_STEP_EPS = 1e-8  # the floor of the AOL and Schatten-4 rescalings (optax's)
+
+
+def real_as(v, x):
+  """A real scale ``v`` for ``x``: as it is, or cast to ``x``'s complex dtype (what numpy's
+  promotion does; written out so that strict promotion takes it too)."""
+  return v.astype(x.dtype) if jnp.iscomplexobj(x) else v
+
+
+class Side(NamedTuple):
+  """How a stack of matrices is multiplied, by its orientation. A wide stack (rows <=
+  columns) takes optax's iteration, ``A = X X^H`` and ``X' = c0 X + B X``; a tall one is
+  read as the transpose of a wide one, ``Y = X^T``, without moving it: ``A^T = Y^H Y`` and
+  ``Y' = c0 Y + Y B^T`` (``B^T`` is ``B`` of ``A^T``: transposing commutes with the
+  polynomial), so the products take their operands in place of a transpose each way.
+  ``splits`` (tall stacks only): the Gram product as that many products over consecutive
+  row blocks, summed in float32 (:func:`gram_splits`)."""
+
+  tall: bool
+  splits: int = 1
+
+  def gram(self, x, conj: bool = True):
+    """``X X^H`` (``Y^H Y`` for a tall stack; ``conj=False``: the plain transposes)."""
+    if not self.tall:  # optax's expression, so that the exact program is its program
+      xt = jnp.swapaxes(x, -1, -2)
+      return x @ (xt.conj() if conj else xt)
+    if self.splits == 1:
+      return batched_dot(x.conj() if conj else x, x, 1)
+    b, n, m = x.shape  # row blocks as a batch (a reshape of the row-major stack, no copy)
+    parts = x.reshape(b * self.splits, n // self.splits, m)
+    acc = jnp.float32 if x.dtype.itemsize < 4 else x.dtype  # bfloat16 sums in float32
+    a = batched_dot(parts.conj() if conj else parts, parts, 1, acc)
+    return a.reshape(b, self.splits, m, m).sum(1).astype(x.dtype)
+
+  def apply(self, b, x):
+    return batched_dot(x, b, 2) if self.tall else b @ x
+
+  def scale(self, x, s):
+    """``x`` with each of its Gram matrix's rows' vectors (rows of a wide stack, columns
+    of a tall one) scaled by ``s`` (``[..., k]``)."""
+    return x * (s[..., None, :] if self.tall else s[..., :, None])
+
+
+def batched_dot(a, b, axis: int, out=None):
+  """``a`` and ``b`` (``[batch, ., .]``) contracted over ``a``'s ``axis`` and ``b``'s rows
+  (an operand's transpose taken in place by the product), in ``out`` (default: theirs)."""
+  return jax.lax.dot_general(a, b, (((axis,), (1,)), ((0,), (0,))),
+                             preferred_element_type=out or jnp.result_type(a, b))
+
+
+def update(x, a, c, side, fold: bool, scale=None):
+  """The step's new iterate from ``x`` and its (rescaled) Gram matrix ``a``:
+  ``c0 X + (c1 A + c2 A A) X`` in optax's order (``c2 * A`` formed before its product with
+  ``A``), or with ``fold`` the one product ``(c0 I + c1 A + c2 A A) X``, its factor
+  materialized first (a product fed by an elementwise prologue falls off cuBLAS) and
+  times ``scale`` (``[batch, 1, 1]``) where given."""
+  b = c[1] * a + c[2] * a @ a
+  if not fold:
+    return c[0] * x + side.apply(b, x)
+  b = b + c[0] * jnp.eye(a.shape[-1], dtype=a.dtype)[None]
+  if scale is not None:
+    b = b * scale
+  return side.apply(jax.lax.optimization_barrier(b), x)
+
+
+def step(x, c, side, fold):
+  """One quintic step on a stack: ``c0 X + (c1 A + c2 A A) X`` with ``A = X X^H``."""
+  return update(x, side.gram(x), c, side, fold)
+
+
+def aol_step(x, c, side, fold):
+  """The first step with AOL rescaling (Boissin et al., 2025): each row scaled by the
+  inverse square root of its Gram row's absolute sum."""
+  a = side.gram(x)
+  s = jax.lax.rsqrt(jnp.clip(jnp.abs(a).sum(axis=-2 if side.tall else -1),
+                             min=_FIRST_STEP_EPS))
+  s = real_as(s, x)
+  return update(side.scale(x, s), a * s[..., :, None] * s[..., None, :], c, side, fold)
+
+
+def frobenius_step(x, c, side, fold, eps):
+  """The first step of the unnormalized ``x``, divided by its Frobenius norm inside the
+  step: the norm squared is the trace of the Gram matrix, so ``X / s`` (``s = |X|_F +
+  eps``) costs no pass over the stack: ``A / s^2``, and ``1 / s`` in the factor."""
+  a = side.gram(x)
+  d = jnp.real(jnp.diagonal(a, axis1=-2, axis2=-1))
+  wide = d.dtype if jnp.finfo(d.dtype).bits >= 32 else jnp.float32  # (strict promotion)
+  norm = jnp.sqrt(d.astype(wide).sum(-1))
+  s = (1 / (norm + eps))[:, None, None]
+  real = jnp.real(a).dtype
+  return update(x, a * real_as((s * s).astype(real), a), c, side, fold,
+                 real_as(s.astype(real), a))
+
+
+def schatten_step(x, c, side, fold):
+  """The first step rescaled by the Schatten-4 norm (Grishina et al., 2025)."""
+  a = side.gram(x, conj=False)  # optax's: no conjugate
+  norm = jnp.linalg.norm(a, ord="fro", axis=(-2, -1), keepdims=True)
+  s = real_as(jax.lax.rsqrt(jnp.clip(norm, min=_FIRST_STEP_EPS)), x)
+  return update(x * s, a * s**2, c, side, fold)
