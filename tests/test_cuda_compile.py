@@ -185,14 +185,16 @@ def test_quantized_state_runs_in_one_grouped_kernel_for_an_h200(h200, name, kw, 
 @pytest.mark.parametrize("ns_dtype", [None, jnp.bfloat16], ids=["float32", "bfloat16"])
 def test_muon_momentum_and_stacks_compile_in_one_kernel_each_for_an_h200(
     h200, ns_dtype, monkeypatch):
-  # A stack of three matrices and a long one (each ending inside a block): the momentum
-  # and each stack in one Triton launch each (in a process of one device: this suite's has
-  # 4 CPU devices), no copy of a momentum for the in-place write (jax 0.11's XLA copied a
-  # momentum whose tail XLA read); 7 x 9 alone takes optax's program in float32.
+  # A stack of three matrices, a tall stack of two and a long one (each ending inside a
+  # block; the tall ones written wide in float32): the momentum and each stack in one
+  # Triton launch each (in a process of one device: this suite's has 4 CPU devices), no
+  # copy of a momentum for the in-place write (jax 0.11's XLA copied a momentum whose
+  # tail XLA read) and none of a stack; 7 x 9 alone takes optax's program in float32.
   from optirs_jax.orthogonal import _momentum_stack
   monkeypatch.setattr(_momentum_stack, "one_device", lambda: True)
   opt = optirs_jax.muon(0.02, ns_dtype=ns_dtype)
-  params = {"w": [jnp.zeros((64, 100))] * 3, "vocab": jnp.zeros((4225, 64)),
+  params = {"w": [jnp.zeros((64, 100))] * 3, "down": [jnp.zeros((100, 64))] * 2,
+            "vocab": jnp.zeros((4225, 64)),
             "b": jnp.zeros(64), "odd": jnp.zeros((7, 9))}
 
   def step(p, s, g):
@@ -201,6 +203,6 @@ def test_muon_momentum_and_stacks_compile_in_one_kernel_each_for_an_h200(
 
   text = _compile(step, params, opt.init(params), params)
   calls = [line for line in text.split("\n") if f'custom_call_target="{TRITON}"' in line]
-  assert sum("muon_momentum_stack" in line for line in calls) == (2 if ns_dtype is None
-                                                                   else 3), calls
+  assert sum("muon_momentum_stack" in line for line in calls) == (3 if ns_dtype is None
+                                                                   else 4), calls
   assert not re.search(r"= f32\[[0-9,]+\]\S* copy\(", text), re.findall(r".* copy\(.*", text)

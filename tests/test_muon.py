@@ -147,7 +147,7 @@ def test_stacks_take_tall_matrices_in_place_and_one_product_a_step():
   assert jaxpr.count("transpose") == 3 and " pad[" not in jaxpr  # in, out, the Gram's
 
 
-def _numpy_chain(x, preconditioning):
+def _numpy_chain(x, preconditioning, steps=5):
   """optax's chain on each matrix of ``x`` (rows > columns: taken transposed), in numpy."""
   c = np.array(PRESETS["standard"])
   ref = []
@@ -157,7 +157,7 @@ def _numpy_chain(x, preconditioning):
     if preconditioning in ("frobenius", "spectral"):
       norm = np.linalg.norm(w, "fro" if preconditioning == "frobenius" else 2)
       w = w / (norm + 1e-8)
-    for i in range(5):
+    for i in range(steps):
       a = w @ w.conj().T if preconditioning != "schatten" or i else w @ w.T
       if i == 0 and preconditioning == "aol":
         s = 1 / np.sqrt(np.maximum(np.abs(a).sum(-1), 1e-8))
@@ -182,6 +182,27 @@ def test_in_place_tall_and_folded_steps_equal_the_transposed_chain(preconditioni
                               preconditioning=preconditioning)
   np.testing.assert_allclose(np.asarray(got), _numpy_chain(x, preconditioning), rtol=2e-5,
                              atol=2e-5)
+
+
+@pytest.mark.parametrize("preconditioning", ["frobenius", "aol", "schatten", "spectral"])
+@pytest.mark.parametrize("steps", [5, 2, 1])
+def test_a_tall_stack_given_transposed_is_iterated_wide(preconditioning, steps):
+  # Muon's kernel writes a float32 tall stack as its transposes (zero past the rows): the
+  # chain runs wide and its last product writes the matrices tall (no transpose after it).
+  x = np.asarray(jax.random.normal(KEY, (2, 9, 5)))
+  given = jnp.pad(jnp.swapaxes(jnp.asarray(x), 1, 2), ((0, 0), (0, 0), (0, 3)))
+  run = lambda y: orthogonalize_stack(y, jnp.asarray(PRESETS["standard"]), steps,
+                                      preconditioning=preconditioning, transposed=True)
+  last = jax.make_jaxpr(run)(given).jaxpr.eqns[-1]
+  assert last.primitive.name == "dot_general" and last.outvars[0].aval.shape == (2, 12, 5)
+  with jax.default_matmul_precision("highest"):
+    got = run(given)
+  assert got.shape == (2, 12, 5)
+  np.testing.assert_allclose(np.asarray(got[:, :9]), _numpy_chain(x, preconditioning, steps),
+                             rtol=2e-5, atol=2e-5)
+  np.testing.assert_array_equal(np.asarray(got[:, 9:]), 0)  # the zero rows stay zero
+  with pytest.raises(ValueError, match="transposed takes a wide stack"):
+    orthogonalize_stack(jnp.asarray(x), jnp.asarray(PRESETS["standard"]), 5, transposed=True)
 
 
 @pytest.mark.parametrize("preconditioning", ["frobenius", "aol", "schatten"])

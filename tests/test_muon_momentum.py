@@ -10,6 +10,8 @@ Triton may fuse a multiply and an add); a bfloat16 stack, one bfloat16 rounding.
 updates: the stacks' 5e-6 relative per leaf of tests/test_muon.py; its momentum, 1e-6.
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -30,9 +32,12 @@ def one_device(monkeypatch):
 # Matrices 16 x 300 in leaves of 3, 1 and 2: 4800 elements a matrix, so every leaf ends
 # inside a block of 4096 (its loads and stores masked there).
 SHAPES = [(3, 16, 300), (16, 300), (2, 16, 300)]
+# Tall matrices 300 x 40 written wide (transposed, zero past their 300 rows to 384): tiles
+# of 64 x 64, the last rows' tile and every columns' tile masked.
+TALL, WIDE = [(3, 300, 40), (300, 40), (2, 300, 40)], (300, 40, 384)
 
 
-def _numpy(gs, ms, beta, t, nesterov):
+def _numpy(gs, ms, beta, t, nesterov, wide=None):
   news, hats = [], []
   for g, m in zip(gs, ms):
     g, m = np.asarray(g, np.float64), np.asarray(m, np.float64)
@@ -42,6 +47,11 @@ def _numpy(gs, ms, beta, t, nesterov):
     else:
       hat = new / (1 - beta**t)
     news.append(new)
+    if wide is not None:  # each matrix transposed, zeros past its rows
+      rows, cols, width = wide
+      padded = np.zeros((hat.size // (rows * cols), cols, width))
+      padded[:, :, :rows] = np.swapaxes(hat.reshape(-1, rows, cols), 1, 2)
+      hat = padded
     hats.append(hat.ravel())
   return news, np.concatenate(hats)
 
@@ -49,24 +59,34 @@ def _numpy(gs, ms, beta, t, nesterov):
 @pytest.mark.parametrize("backend", ["pallas", "jnp"])
 @pytest.mark.parametrize("nesterov", [True, False])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_momentum_and_stack_equal_the_arithmetic(backend, nesterov, dtype):
-  keys = jax.random.split(KEY, 2 * len(SHAPES))
-  gs = [jax.random.normal(k, s) for k, s in zip(keys, SHAPES)]
-  ms = [jax.random.normal(k, s) for k, s in zip(keys[len(SHAPES):], SHAPES)]
+@pytest.mark.parametrize("wide", [False, True], ids=["flat", "wide"])
+def test_momentum_and_stack_equal_the_arithmetic(backend, nesterov, dtype, wide):
+  shapes, wide = (TALL, WIDE) if wide else (SHAPES, None)
+  keys = jax.random.split(KEY, 2 * len(shapes))
+  gs = [jax.random.normal(k, s) for k, s in zip(keys, shapes)]
+  ms = [jax.random.normal(k, s) for k, s in zip(keys[len(shapes):], shapes)]
   beta, t = 0.95, 3
   h = jnp.array([1 - beta, beta, 1 - beta**t, 1 - beta ** (t + 1)], jnp.float32)
   run = jax.jit(lambda gs, ms: momentum_stack(gs, ms, h, nesterov=nesterov,
-                                              stack_dtype=dtype, backend=backend))
+                                              stack_dtype=dtype, wide=wide, backend=backend))
   if backend == "pallas":
     assert "muon_momentum_stack" in str(jax.make_jaxpr(run)(gs, ms))
   news, stack = run(gs, ms)
-  want_news, want_stack = _numpy(gs, ms, beta, t, nesterov)
+  want_news, want_stack = _numpy(gs, ms, beta, t, nesterov, wide)
   assert stack.dtype == dtype and stack.shape == want_stack.shape
   for got, want, m in zip(news, want_news, ms):
     assert got.shape == m.shape and got.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(got), want, rtol=2.4e-7, atol=1e-7)
   rtol = 2.4e-7 if dtype == jnp.float32 else 2**-8
   np.testing.assert_allclose(np.asarray(stack, np.float64), want_stack, rtol=rtol, atol=1e-6)
+
+
+def test_a_wide_layout_that_does_not_fit_the_leaves_is_named():
+  g = [jnp.zeros((300, 40))]
+  h = jnp.ones(4)
+  for wide in [(40, 300, 300), (300, 40, 200), (301, 40, 384)]:
+    with pytest.raises(ValueError, match=re.escape(f"wide={wide}")):
+      momentum_stack(g, g, h, nesterov=True, stack_dtype=jnp.float32, wide=wide)
 
 
 def test_fusable_takes_float32_leaves():
@@ -77,8 +97,8 @@ def test_fusable_takes_float32_leaves():
 
 
 def _tree():
-  shapes = {f"up{i}": (64, 80) for i in range(3)} | {"vocab": (4224, 8), "b": (16,),
-                                                      "odd": (7, 9)}
+  shapes = ({f"up{i}": (64, 80) for i in range(3)} | {f"down{i}": (80, 64) for i in range(2)}
+            | {"vocab": (4200, 8), "b": (16,), "odd": (7, 9)})
   return {k: jax.random.normal(jax.random.fold_in(KEY, i), s)
           for i, (k, s) in enumerate(shapes.items())}
 
@@ -86,7 +106,8 @@ def _tree():
 @pytest.mark.parametrize("kw", [{}, {"nesterov": False}, {"beta": 0.9, "ns_coeffs": "dion"}],
                          ids=["default", "no-nesterov", "dion"])
 def test_muon_through_the_kernel_matches_optax(kw, standard_promotion):
-  # A stack of three matrices and a long one take the kernel (each ending inside a block);
+  # A stack of three matrices, a tall stack of two and a long one take the kernel (each
+  # ending inside a block; the tall ones written wide, the long one padded to 4224);
   # 7 x 9 (a leaf alone: optax's program) and the vector do not. Three steps: the momentum
   # carried in the state.
   params = _tree()
@@ -94,7 +115,7 @@ def test_muon_through_the_kernel_matches_optax(kw, standard_promotion):
   grads = lambda t: jax.tree.map(lambda v: jnp.sin(v * (t + 1)), params)
   step = lambda tx: jax.jit(tx.update)
   assert str(jax.make_jaxpr(ours.update)(grads(0), ours.init(params), params)).count(
-    "name=muon_momentum_stack") == 2
+    "name=muon_momentum_stack") == 3
   with jax.default_matmul_precision("highest"):
     states = [ours.init(params), ref.init(params)]
     for t in range(3):
@@ -105,8 +126,23 @@ def test_muon_through_the_kernel_matches_optax(kw, standard_promotion):
         rel = float(jnp.linalg.norm(u[k] - u_ref[k]) / jnp.linalg.norm(u_ref[k]))
         assert rel < 5e-6, (t, k, rel)
   mu = lambda s: s.inner_states["muon"].inner_state[0].mu
-  for k in ("up0", "up2", "vocab", "odd"):
+  for k in ("up0", "up2", "down1", "vocab", "odd"):
     np.testing.assert_allclose(mu(states[0])[k], mu(states[1])[k], rtol=1e-6, atol=1e-7)
+
+
+def test_under_inject_hyperparams_through_the_kernel(standard_promotion):
+  # ns_steps traced: the wide stacks' chains transpose after the loop instead of writing
+  # the last product tall.
+  params = _tree()
+  inject = lambda muon, **kw: optax.inject_hyperparams(muon)(learning_rate=0.02, **kw)
+  ours, ref = inject(optirs_jax.muon, backend="pallas"), inject(contrib.muon)
+  grads = jax.tree.map(jnp.sin, params)
+  with jax.default_matmul_precision("highest"):
+    u, _ = jax.jit(ours.update)(grads, ours.init(params), params)
+    u_ref, _ = jax.jit(ref.update)(grads, ref.init(params), params)
+  for k in params:
+    rel = float(jnp.linalg.norm(u[k] - u_ref[k]) / jnp.linalg.norm(u_ref[k]))
+    assert rel < 5e-6, (k, rel)
 
 
 def test_a_bfloat16_momentum_keeps_xlas_two_passes(standard_promotion):

@@ -15,6 +15,10 @@ gathered); anywhere else the caller keeps XLA's two passes (:func:`fusable`). A 
 takes 4096 elements of one leaf, its loads and stores masked past the leaf's end, so no
 part of a leaf is left to XLA: XLA's CUDA compile of jax 0.11 copied a momentum written
 in place whose tail XLA had read (two copies of GPT-2's embedding a step, 0.21 ms).
+
+A stack of tall matrices in float32 is written wide (``wide``): each matrix transposed,
+a program a 64 x 64 tile, so that the chain's TF32 Gram products contract the contiguous
+axis (contracting the strided one, an H100 ran them at about half the speed).
 """
 
 from __future__ import annotations
@@ -58,10 +62,11 @@ def fusable(gs: Sequence[jax.Array], ms: Sequence[jax.Array]) -> bool:
   return (one_device() and len(gs) == len(ms) > 0
           and all(jnp.dtype(x.dtype) == f32 for x in (*gs, *ms))
           and all(m.shape == g.shape for g, m in zip(gs, ms))
-          and sum(g.size for g in gs) < 2**31)
+          and sum(g.size for g in gs) < 2**30)  # int32 offsets, with a wide stack's padding
 
 
 def _body(h_ref, *refs, bounds, sizes, offsets, nesterov):
+  """A program: 4096 elements of one leaf, its stack's part at the same offset."""
   n = len(sizes)
   g_refs, m_refs, new_refs, stack_ref = refs[:n], refs[n:2 * n], refs[2 * n:3 * n], refs[-1]
   h = tuple(h_ref[j] for j in range(4))
@@ -78,17 +83,55 @@ def _body(h_ref, *refs, bounds, sizes, offsets, nesterov):
       pltriton.store(stack_ref.at[offsets[k] + idx], hat.astype(stack_ref.dtype), mask=mask)
 
 
-def _kernel(h, gs, ms, *, nesterov, stack_dtype, interpret):
+def _wide_body(h_ref, *refs, bounds, firsts, wide, tile, nesterov):
+  """A program: one ``tile`` (rows x columns) of one matrix, read row-major and written
+  transposed into the stack (rows past the matrix's: zeros up to the stack's width)."""
+  n = len(firsts)
+  g_refs, m_refs, new_refs, stack_ref = refs[:n], refs[n:2 * n], refs[2 * n:3 * n], refs[-1]
+  h = tuple(h_ref[j] for j in range(4))
+  rows, cols, width = wide
+  (tr, tc), i = tile, pl.program_id(0)
+  across = -(-cols // tc)  # tiles across a matrix's columns
+  per = -(-width // tr) * across  # tiles a matrix
+  r, c = jnp.arange(tr, dtype=jnp.int32)[:, None], jnp.arange(tc, dtype=jnp.int32)[None, :]
+  for k in range(n):
+    @pl.when((i >= bounds[k]) & (i < bounds[k + 1]))
+    def _(k=k):
+      j = i - bounds[k]
+      mat, r0, c0 = j // per, (j % per // across) * tr, (j % across) * tc
+      src = (pl.ds(mat * rows + r0, tr), pl.ds(c0, tc))
+      inside = (r0 + r < rows) & (c0 + c < cols)
+      load = lambda ref: pltriton.load(ref.at[src], mask=inside, other=jnp.float32(0))
+      new, hat = momentum(load(g_refs[k]), load(m_refs[k]), h, nesterov)
+      pltriton.store(new_refs[k].at[src], new, mask=inside)
+      dst = (pl.ds((firsts[k] + mat) * cols + c0, tc), pl.ds(r0, tr))
+      pltriton.store(stack_ref.at[dst], hat.T.astype(stack_ref.dtype),
+                     mask=((r0 + r < width) & (c0 + c < cols)).T)
+
+
+def _kernel(h, gs, ms, *, nesterov, stack_dtype, wide, interpret):
   sizes = tuple(g.size for g in gs)
-  bounds = tuple(itertools.accumulate([-(-s // BLOCK) for s in sizes], initial=0))
-  offsets = tuple(itertools.accumulate(sizes[:-1], initial=0))
   n = len(gs)
+  if wide is None:  # flat: 4096 elements a program
+    blocks = [-(-s // BLOCK) for s in sizes]
+    body = functools.partial(_body, sizes=sizes, nesterov=nesterov,
+                             offsets=tuple(itertools.accumulate(sizes[:-1], initial=0)))
+    stack_shape, flat = (sum(sizes),), lambda x: x.reshape(-1)
+  else:  # wide: a tile of 4096 a program, its columns' tile the columns' power of 2 to 64
+    rows, cols, width = wide
+    tc = min(64, pl.next_power_of_2(cols))
+    tile = (BLOCK // tc, tc)
+    mats = [s // (rows * cols) for s in sizes]
+    blocks = [b * -(-width // tile[0]) * -(-cols // tc) for b in mats]
+    body = functools.partial(_wide_body, wide=wide, tile=tile, nesterov=nesterov,
+                             firsts=tuple(itertools.accumulate(mats[:-1], initial=0)))
+    stack_shape, flat = (sum(mats) * cols, width), lambda x: x.reshape(-1, cols)
+  bounds = tuple(itertools.accumulate(blocks, initial=0))
   whole = pl.BlockSpec()
-  out_shape = ([jax.ShapeDtypeStruct((s,), jnp.float32) for s in sizes]
-               + [jax.ShapeDtypeStruct((sum(sizes),), stack_dtype)])
+  out_shape = ([jax.ShapeDtypeStruct(flat(g).shape, jnp.float32) for g in gs]
+               + [jax.ShapeDtypeStruct(stack_shape, stack_dtype)])
   outs = pl.pallas_call(
-      functools.partial(_body, bounds=bounds, sizes=sizes, offsets=offsets,
-                        nesterov=nesterov),
+      functools.partial(body, bounds=bounds),
       out_shape=tuple(out_shape),
       grid=(bounds[-1],),
       in_specs=[pl.BlockSpec((4,), lambda i: (0,))] + [whole] * (2 * n),
@@ -98,18 +141,23 @@ def _kernel(h, gs, ms, *, nesterov, stack_dtype, interpret):
       compiler_params=None if interpret else pltriton.CompilerParams(num_warps=4,
                                                                       num_stages=1),
       name="muon_momentum_stack",
-  )(h, *[g.reshape(-1) for g in gs], *[m.reshape(-1) for m in ms])
-  return list(outs[:n]), outs[n]
+  )(h, *[flat(g) for g in gs], *[flat(m) for m in ms])
+  return list(outs[:n]), outs[n].reshape(-1)
 
 
-def _reference(h, gs, ms, *, nesterov, stack_dtype):
-  pairs = [momentum(g.reshape(-1), m.reshape(-1), h, nesterov) for g, m in zip(gs, ms)]
-  stack = jnp.concatenate([hat.astype(stack_dtype) for _, hat in pairs])
-  return [new for new, _ in pairs], stack
+def _reference(h, gs, ms, *, nesterov, stack_dtype, wide):
+  pairs = [momentum(g, m, h, nesterov) for g, m in zip(gs, ms)]
+  if wide is None:
+    hats = [hat.astype(stack_dtype).reshape(-1) for _, hat in pairs]
+  else:
+    rows, cols, width = wide
+    hats = [jnp.pad(hat.astype(stack_dtype).reshape(-1, rows, cols).swapaxes(1, 2),
+                    ((0, 0), (0, 0), (0, width - rows))).reshape(-1) for _, hat in pairs]
+  return [new for new, _ in pairs], jnp.concatenate(hats)
 
 
 def momentum_stack(gs: Sequence[jax.Array], ms: Sequence[jax.Array], h: jax.Array, *,
-                   nesterov: bool, stack_dtype, backend: str = "auto"):
+                   nesterov: bool, stack_dtype, wide=None, backend: str = "auto"):
   r"""Each leaf's new momentum and the stack of their corrected momenta, in one pass.
 
   .. math::
@@ -123,12 +171,18 @@ def momentum_stack(gs: Sequence[jax.Array], ms: Sequence[jax.Array], h: jax.Arra
     h: ``f32[4]``: ``1 - beta``, ``beta``, ``1 - beta^t``, ``1 - beta^{t+1}``.
     nesterov: Nesterov's correction.
     stack_dtype: the stack's dtype (the Newton–Schulz chain's).
+    wide: ``None`` (the stack holds the leaves one after another, each row-major), or
+      ``(rows, cols, width)``: the leaves are matrices ``rows x cols`` (row-major, rows >
+      cols) and the stack holds each one transposed, ``cols x width``, zero past its rows
+      (a tall float32 stack iterated wide: :func:`~optirs_jax.orthogonal.orthogonalize_stack`'s
+      ``transposed``); a program then transposes a tile of 4096 elements.
     backend: ``"auto"`` (the kernel on a GPU, XLA's fusions elsewhere), ``"pallas"``
       (interpret mode off a GPU) or ``"jnp"``.
 
   Returns:
     ``(new momenta, stack)``: the momenta shaped as ``ms``; the stack flat, the leaves'
-    corrected momenta one after another (reshape it to the matrices).
+    corrected momenta one after another (reshape it to the matrices, or with ``wide``
+    to ``[-1, cols, width]``).
 
   >>> import jax.numpy as jnp
   >>> gs, ms = [jnp.ones((64, 80))] * 2, [jnp.zeros((64, 80))] * 2
@@ -137,11 +191,15 @@ def momentum_stack(gs: Sequence[jax.Array], ms: Sequence[jax.Array], h: jax.Arra
   >>> float(new[0][0, 0]), stack.shape, float(stack[-1])
   (0.10000000149011612, (10240,), 1.0)
   """
+  if wide is not None and not (wide[0] > wide[1] and wide[2] >= wide[0] and all(
+      g.size % (wide[0] * wide[1]) == 0 for g in gs)):
+    raise ValueError(f"wide={wide} is not (rows, cols, width) with rows > cols, width >= "
+                     f"rows, of matrices of these leaves: {[g.shape for g in gs]}")
   shapes = [m.shape for m in ms]
   args = (h, list(gs), list(ms))
-  ref = lambda a: _reference(*a, nesterov=nesterov, stack_dtype=stack_dtype)
-  kernel = lambda interpret: lambda a: _kernel(*a, nesterov=nesterov,
-                                               stack_dtype=stack_dtype, interpret=interpret)
+  kw = dict(nesterov=nesterov, stack_dtype=stack_dtype, wide=wide)
+  ref = lambda a: _reference(*a, **kw)
+  kernel = lambda interpret: lambda a: _kernel(*a, interpret=interpret, **kw)
   other = ref if backend == "auto" else kernel(True)  # off a GPU: XLA, or interpret mode
   if backend == "jnp":
     news, stack = ref(args)

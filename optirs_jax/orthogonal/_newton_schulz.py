@@ -17,9 +17,11 @@ A leaf alone in its chain, at the momentum's precision, with a long side of at m
 takes optax's program op for op (its numbers bit for bit). A stack of several, a longer
 matrix (a vocabulary's embedding) or any chain with a narrower ``ns_dtype`` takes the fast
 form, equal to rounding: a tall stack is not transposed (its products take it transposed
-in place), each step is one product, :math:`X_{k+1} = (c_0 I + c_1 A_k + c_2 A_k^2) X_k`, a
-long side above 4096 is padded once for the products, and a Gram product with too few
-output tiles for the GPU's cores is split along its long contraction (:func:`gram_splits`).
+in place; Muon's kernel writes a float32 one wide, since a TF32 Gram product contracting
+the strided axis runs at half the speed), each step is one product,
+:math:`X_{k+1} = (c_0 I + c_1 A_k + c_2 A_k^2) X_k`, a long side above 4096 is padded once
+for the products, and a Gram product with too few output tiles for the GPU's cores is
+split along its long contraction (:func:`gram_splits`).
 """
 
 from __future__ import annotations
@@ -154,7 +156,7 @@ def gram_splits(batch: int, short: int, long: int) -> int:
 
 def orthogonalize_stack(x: jax.Array, coeffs: jax.Array, ns_steps: int, *,
                         preconditioning: str = "frobenius", eps=1e-8, ns_dtype=None,
-                        exact: bool = False) -> jax.Array:
+                        exact: bool = False, transposed: bool = False) -> jax.Array:
   """Newton–Schulz on every matrix of ``x`` (``[batch, rows, cols]``), one chain.
 
   A tall stack (rows > columns) is iterated as the transpose of a wide one, as optax
@@ -176,19 +178,28 @@ def orthogonalize_stack(x: jax.Array, coeffs: jax.Array, ns_steps: int, *,
     eps: added to the Frobenius or spectral norm.
     ns_dtype: the products' dtype (``None``: ``x``'s); the result comes back in ``x``'s.
     exact: optax's program (above).
+    transposed: ``x`` holds tall matrices' transposes, ``[batch, cols, rows]`` (as Muon's
+      kernel writes a float32 tall stack): iterated wide, so that every Gram product
+      contracts the contiguous axis (a TF32 product contracting the strided one runs at
+      about half the speed), the last product writing the matrices tall. The fast form
+      only.
 
   Returns:
-    The orthogonalized stack, shaped and typed as ``x``.
+    The orthogonalized stack, shaped and typed as ``x`` (``transposed``: ``x``'s
+    transposes, ``[batch, rows, cols]``).
   """
   if preconditioning not in PRECONDITIONINGS:
     raise ValueError(f"preconditioning={preconditioning!r} is not one of {PRECONDITIONINGS}")
+  if transposed and (exact or x.shape[-2] >= x.shape[-1]):
+    raise ValueError(f"transposed takes a wide stack in the fast form, not {x.shape} with "
+                     f"exact={exact}")
   dtype = x.dtype
   if ns_dtype is not None:
     x = x.astype(ns_dtype)
   tall = x.shape[-2] > x.shape[-1]
   long, short = max(x.shape[-2:]), min(x.shape[-2:])
   padded = long + (-long % _PAD if not exact and long > _PAD_ABOVE else 0)
-  parts = 1 if exact else gram_splits(x.shape[0], short, padded)
+  parts = 1 if exact or transposed else gram_splits(x.shape[0], short, padded)
   swap = (exact and tall) or (parts > 1 and not tall)
   if swap:  # optax's program takes a wide stack; a split Gram product a tall one
     x, tall = jnp.swapaxes(x, -1, -2), not tall
@@ -200,8 +211,12 @@ def orthogonalize_stack(x: jax.Array, coeffs: jax.Array, ns_steps: int, *,
     x = jnp.pad(x, pad)
   if preconditioning == "spectral":
     x = x / ns.real_as(jnp.linalg.norm(x, ord=2, axis=(-2, -1), keepdims=True) + eps, x)
-  chain = _exact_chain if exact else _fast_chain
-  x = chain(x, coeffs.astype(x.dtype), ns_steps, side, preconditioning, eps)
+  if exact:
+    x = _exact_chain(x, coeffs.astype(x.dtype), ns_steps, side, preconditioning, eps)
+  else:
+    x = _fast_chain(x, coeffs.astype(x.dtype), ns_steps, side, preconditioning, eps,
+                    transposed)
+    axis = -2 if transposed else axis
   if padded != long:
     x = jax.lax.slice_in_dim(x, 0, long, axis=x.ndim + axis)
   return (jnp.swapaxes(x, -1, -2) if swap else x).astype(dtype)
@@ -232,17 +247,37 @@ def _exact_chain(x, c, ns_steps, side, preconditioning, eps):
   return jax.lax.scan(body, (jnp.asarray(0, jnp.int32), x), c)[0][1]
 
 
-def _fast_chain(x, c, ns_steps, side, preconditioning, eps):
+def _fast_chain(x, c, ns_steps, side, preconditioning, eps, out_tall=False):
   """The fast form's steps: the first one taken apart (its rescaling: AOL, Schatten-4, or
-  the Frobenius norm's division folded into it), the others as an unrolled loop."""
+  the Frobenius norm's division folded into it), the others as an unrolled loop (or a
+  scan over a schedule's rows); with ``out_tall`` the last apart, its product writing the
+  iterate's transpose (a step count traced under ``inject_hyperparams``: transposed
+  after the loop)."""
   first = {"aol": ns.aol_step, "schatten": ns.schatten_step,
            "frobenius": functools.partial(ns.frobenius_step, eps=eps)}.get(preconditioning,
                                                                          ns.step)
-  x = first(x, c if c.ndim == 1 else c[0], side, True)
-  if c.ndim == 1:
-    return jax.lax.fori_loop(1, ns_steps, lambda i, x: ns.step(x, c, side, True), x,
-                             unroll=True)
-  return jax.lax.scan(lambda x, row: (ns.step(x, row, side, True), None), x, c[1:])[0]
+  n = c.shape[0] if c.ndim == 2 else _static(ns_steps)
+  peel = out_tall and n is not None and n > 0
+  middle = lambda x, end: (  # steps 1 to end - 1
+      jax.lax.fori_loop(1, end, lambda i, x: ns.step(x, c, side, True), x, unroll=True)
+      if c.ndim == 1 else
+      jax.lax.scan(lambda x, row: (ns.step(x, row, side, True), None), x, c[1:end])[0])
+  if not peel:
+    x = middle(first(x, c if c.ndim == 1 else c[0], side, True), ns_steps if c.ndim == 1 else n)
+    return jnp.swapaxes(x, -1, -2) if out_tall else x
+  last = side._replace(out_tall=True)
+  x = first(x, c if c.ndim == 1 else c[0], last if n == 1 else side, True)
+  if n > 2:
+    x = middle(x, n - 1)
+  return ns.step(x, c if c.ndim == 1 else c[-1], last, True) if n > 1 else x
+
+
+def _static(n) -> int | None:
+  """A step count as an int, or None where it is traced."""
+  try:
+    return int(n)
+  except (jax.errors.ConcretizationTypeError, jax.errors.TracerIntegerConversionError):
+    return None
 
 
 def orthogonalize(leaves: Sequence[jax.Array], dims: Sequence, coeffs: jax.Array,
@@ -259,11 +294,14 @@ def orthogonalize(leaves: Sequence[jax.Array], dims: Sequence, coeffs: jax.Array
   matrices, so the iteration holds no collective; one reshard takes the stack there and the
   results back to their leaves' shardings.
 
-  ``stacks``: ``(indices, dtype) -> flat stack or None``, asked for the stack of the leaves
-  at ``indices`` (in ``dtype``, the chain's) where a group takes the fast form unspread and
-  its leaves are their matrices without a transpose: Muon's kernel writes it with the
-  momentum (:func:`~optirs_jax.orthogonal._momentum_stack.momentum_stack`); None, or no
-  ``stacks``: the leaves concatenated.
+  ``stacks``: ``(indices, dtype, wide) -> flat stack or None``, asked for the stack of the
+  leaves at ``indices`` (in ``dtype``, the chain's) where a group takes the fast form
+  unspread and its leaves are their matrices without a transpose: Muon's kernel writes it
+  with the momentum (:func:`~optirs_jax.orthogonal._momentum_stack.momentum_stack`).
+  ``wide``: None (the matrices one after another), or ``(rows, cols, width)`` for a tall
+  float32 group: each matrix transposed, zero past its rows to ``width``, the stack then
+  iterated wide (:func:`orthogonalize_stack`'s ``transposed``). None, or no ``stacks``:
+  the leaves concatenated.
 
   >>> import jax.numpy as jnp
   >>> from optirs_jax.orthogonal import MuonDimensionNumbers, coefficients, orthogonalize
@@ -287,12 +325,15 @@ def orthogonalize(leaves: Sequence[jax.Array], dims: Sequence, coeffs: jax.Array
   out: list = [None] * len(leaves)
   for (shape, dtype), idx in groups.items():
     mats = [views[i].to_matrices(leaves[i]) for i in idx]
-    stack = None
+    stack, wide = None, _wide(shape, ns_dtype or dtype)
     if (stacks is not None and not axes and not _exact(len(idx), shape, dtype, ns_dtype)
         and all(views[i].transpose == tuple(sorted(views[i].transpose)) for i in idx)):
-      stack = stacks(idx, jnp.dtype(ns_dtype or dtype))
+      stack = stacks(idx, jnp.dtype(ns_dtype or dtype), wide)
+    if stack is not None:
+      stack = stack.reshape(-1, *shape) if wide is None else stack.reshape(-1, *wide[1:])
     run = functools.partial(_orthogonalize_group, coeffs=coeffs, ns_steps=ns_steps,
-                            stack=None if stack is None else stack.reshape(-1, *shape), **kw)
+                            stack=stack, transposed=stack is not None and wide is not None,
+                            **kw)
     if explicit:  # GSPMD places the stack (Explicit axes would refuse its concatenation)
       run = jax.sharding.auto_axes(run, axes=tuple(explicit),
                                    out_sharding=[jax.typeof(m).sharding for m in mats])
@@ -309,17 +350,30 @@ def _exact(n: int, shape, dtype, ns_dtype) -> bool:
           and max(shape) <= _PAD_ABOVE)
 
 
-def _orthogonalize_group(mats, coeffs, ns_steps, *, mesh, axes, stack=None, **kw):
+def _wide(shape, dtype) -> tuple[int, int, int] | None:
+  """``(rows, cols, width)`` where a group of tall ``rows x cols`` matrices in float32
+  takes its stack transposed (``width``: rows padded as the fast form pads them); else
+  None. A TF32 Gram product contracting the strided axis runs at about half the speed of
+  one contracting the contiguous axis; bfloat16 products take either at the peak."""
+  rows, cols = shape
+  if jnp.dtype(dtype) != jnp.float32 or rows <= cols:
+    return None
+  return rows, cols, rows + (-rows % _PAD if rows > _PAD_ABOVE else 0)
+
+
+def _orthogonalize_group(mats, coeffs, ns_steps, *, mesh, axes, stack=None,
+                         transposed=False, **kw):
   """Matrices of one shape as one chain: concatenated (unless ``stack`` is their stack
-  already), spread over ``axes`` (whole matrices per device), orthogonalized, and split
-  again."""
+  already, ``transposed``: their transposes, padded), spread over ``axes`` (whole matrices
+  per device), orthogonalized, and split again."""
   if stack is None:
     stack = mats[0] if len(mats) == 1 else jnp.concatenate(mats, axis=0)
   batch = stack.shape[0]
   if axes:
     stack = spread(stack, mesh, axes)
-  exact = _exact(len(mats), stack.shape[1:], mats[0].dtype, kw.get("ns_dtype"))
-  done = orthogonalize_stack(stack, coeffs, ns_steps, exact=exact, **kw)[:batch]
+  exact = _exact(len(mats), mats[0].shape[1:], mats[0].dtype, kw.get("ns_dtype"))
+  done = orthogonalize_stack(stack, coeffs, ns_steps, exact=exact, transposed=transposed,
+                             **kw)[:batch, :mats[0].shape[1]]
   done = done.astype(mats[0].dtype)  # a stack given in the chain's dtype comes back so
   bounds = np.cumsum([0] + [m.shape[0] for m in mats])
   return [done[a:b] for a, b in itertools.pairwise(bounds)]

@@ -28,10 +28,13 @@ class Side(NamedTuple):
   ``Y' = c0 Y + Y B^T`` (``B^T`` is ``B`` of ``A^T``: transposing commutes with the
   polynomial), so the products take their operands in place of a transpose each way.
   ``splits`` (tall stacks only): the Gram product as that many products over consecutive
-  row blocks, summed in float32 (:func:`gram_splits`)."""
+  row blocks, summed in float32 (:func:`gram_splits`). ``out_tall`` (a wide stack, folded
+  steps): the product returns the new iterate transposed, ``(B X)^T = X^T B^T``, written
+  tall by the product itself (the last step of a tall stack given as its transpose)."""
 
   tall: bool
   splits: int = 1
+  out_tall: bool = False
 
   def gram(self, x, conj: bool = True):
     """``X X^H`` (``Y^H Y`` for a tall stack; ``conj=False``: the plain transposes)."""
@@ -47,7 +50,11 @@ class Side(NamedTuple):
     return a.reshape(b, self.splits, m, m).sum(1).astype(x.dtype)
 
   def apply(self, b, x):
-    return batched_dot(x, b, 2) if self.tall else b @ x
+    if self.tall:
+      return batched_dot(x, b, 2)
+    if self.out_tall:  # X^T B^T: X's rows contracted with B's columns
+      return jax.lax.dot_general(x, b, (((1,), (2,)), ((0,), (0,))))
+    return b @ x
 
   def scale(self, x, s):
     """``x`` with each of its Gram matrix's rows' vectors (rows of a wide stack, columns
