@@ -217,6 +217,8 @@ def test_a_long_matrix_splits_its_gram_product(preconditioning, shape, dtype):
     pytest.skip("optax's Schatten step takes X X^T unconjugated: it diverges on complex X")
   assert gram_splits(1, 6, 4224) == 4 and gram_splits(1, 6, 2048) == 2
   assert gram_splits(1, 6, 2046) == 1 and gram_splits(132, 6, 8192) == 1
+  # GPT-2's embedding: 36 tiles, in 32 parts in float32, in 8 in bfloat16 (264 tiles)
+  assert gram_splits(1, 768, 50304) == 32 and gram_splits(1, 768, 50304, itemsize=2) == 8
   x = np.asarray(jax.random.normal(KEY, shape, dtype))
   coeffs = jnp.asarray(PRESETS["standard"])
   run = lambda x: orthogonalize_stack(x, coeffs, 5, preconditioning=preconditioning)

@@ -126,29 +126,37 @@ def coefficients(ns_coeffs, ns_steps: int) -> jax.Array:
 _PAD_ABOVE, _PAD = 4096, 128
 #: A Gram product whose output tiles (128 x 128) are fewer than ``_FEW_TILES``, one for each
 #: of an H100's or H200's 132 cores, is split until the tiles of all its parts fill
-#: ``_TILES`` (eight waves: a partial last wave then costs little), while each part still
-#: contracts at least ``_MIN_SPLIT_ROWS`` rows.
-_FEW_TILES, _TILES, _TILE, _MIN_SPLIT_ROWS = 132, 1056, 128, 1024
+#: ``_TILES`` (eight waves: a partial last wave then costs little; ``_TILES_16`` for 16-bit
+#: stacks), while each part still contracts at least ``_MIN_SPLIT_ROWS`` rows.
+_FEW_TILES, _TILES, _TILES_16, _TILE, _MIN_SPLIT_ROWS = 132, 1056, 264, 128, 1024
 
 
-def gram_splits(batch: int, short: int, long: int) -> int:
+def gram_splits(batch: int, short: int, long: int, *, itemsize: int = 4) -> int:
   """How many parts the Gram product of ``batch`` matrices ``short x long`` (its output
-  ``short x short``, contracting ``long``) is split into along ``long``: one where the
-  output has at least 132 tiles of 128 x 128; else a power of two, doubled while the
-  tiles times the parts are fewer than 1056 and each part keeps at least 1024 of ``long``
-  (whole: ``long`` is a multiple of the parts).
+  ``short x short``, contracting ``long``, elements of ``itemsize`` bytes) is split into
+  along ``long``: one where the output has at least 132 tiles of 128 x 128; else a power
+  of two, doubled while the tiles times the parts are fewer than 1056 (264 for 16-bit
+  elements) and each part keeps at least 1024 of ``long`` (whole: ``long`` is a multiple
+  of the parts).
 
   A GPU's matrix product runs one output tile per core at a time: GPT-2's 50257 x 768
   embedding has a Gram matrix of 36 tiles, so without a split its product (half of the
   embedding's Newton–Schulz work) keeps a quarter of an H100's cores busy; in 8 parts
-  (288 tiles, 2.2 waves of 132 cores) the third, partial wave costs as much as a full one.
+  (288 tiles, 2.2 waves of 132 cores) the third, partial wave of a TF32 product costs as
+  much as a full one (32 parts ran faster). A bfloat16 product runs at the peak in 8
+  parts, and the parts' float32 Gram matrices are summed by a pass of their own, which
+  more parts make longer: in bfloat16, GPT-2's Muon step on an H200 took 4.672 ms with 32
+  parts, 4.614 with 16 and 4.569 with 8.
 
   >>> gram_splits(1, 768, 50304), gram_splits(12, 768, 3072), gram_splits(1, 768, 3072)
   (32, 1, 2)
+  >>> gram_splits(1, 768, 50304, itemsize=2)
+  8
   """
   tiles = batch * (-(-short // _TILE)) ** 2
+  target = _TILES if itemsize >= 4 else _TILES_16
   parts = 1
-  while (tiles < _FEW_TILES and tiles * parts < _TILES and long % (2 * parts) == 0
+  while (tiles < _FEW_TILES and tiles * parts < target and long % (2 * parts) == 0
          and long // (2 * parts) >= _MIN_SPLIT_ROWS):
     parts *= 2
   return parts
@@ -199,7 +207,8 @@ def orthogonalize_stack(x: jax.Array, coeffs: jax.Array, ns_steps: int, *,
   tall = x.shape[-2] > x.shape[-1]
   long, short = max(x.shape[-2:]), min(x.shape[-2:])
   padded = long + (-long % _PAD if not exact and long > _PAD_ABOVE else 0)
-  parts = 1 if exact or transposed else gram_splits(x.shape[0], short, padded)
+  parts = 1 if exact or transposed else gram_splits(x.shape[0], short, padded,
+                                                    itemsize=x.dtype.itemsize)
   swap = (exact and tall) or (parts > 1 and not tall)
   if swap:  # optax's program takes a wide stack; a split Gram product a tall one
     x, tall = jnp.swapaxes(x, -1, -2), not tall
