@@ -267,6 +267,49 @@ def test_bfloat16_newton_schulz_is_close_to_optax(standard_promotion):
   assert _rel(got["b"], ref["b"]) == 0.0  # AdamW's leaves do not see ns_dtype
 
 
+@pytest.mark.parametrize("steps", [5, 2, 1])
+@pytest.mark.parametrize("shape, transposed", [((3, 48, 200), False), ((3, 200, 48), False),
+                                               ((3, 48, 200), True)],
+                         ids=["wide", "tall", "given-transposed"])
+def test_bfloat16_square_form_against_optaxs_chain_in_float64(steps, shape, transposed):
+  # c0 I + c1 A + c2 A^2 = c2 (A + aI)^2 + bI: the 16-bit chain's two diagonal updates
+  # instead of the factor's elementwise passes. Against optax's chain in float64 numpy:
+  # closer than the expanded form in bfloat16 (within bfloat16's rounding of each).
+  x = np.asarray(jax.random.normal(KEY, shape))
+  want = _numpy_chain(np.swapaxes(x, 1, 2) if transposed else x, "frobenius", steps)
+  run = lambda square: orthogonalize_stack(
+      jnp.asarray(x), jnp.asarray(PRESETS["standard"]), steps, ns_dtype=jnp.bfloat16,
+      square=square, transposed=transposed)
+  assert "scatter-add" in _ops(lambda: run(True)) or steps == 1
+  assert "scatter-add" not in _ops(lambda: run(False))
+  err = {sq: np.linalg.norm(np.asarray(run(sq), np.float64) - want) / np.linalg.norm(want)
+         for sq in (True, False)}
+  assert err[True] < 0.08 and err[True] < 1.5 * err[False], err
+
+
+def test_square_form_needs_one_row_with_a_nonzero_c2(standard_promotion):
+  # A cubic (c2 = 0) and Dion's schedule keep the expanded form; both stay close to optax.
+  params = _layers_tree()
+  grads = jax.tree.map(jnp.sin, params)
+  for kw in [{"ns_coeffs": (1.5, -0.5, 0.0)}, {"ns_coeffs": "dion"}]:
+    ref_tx, tx = contrib.muon(0.02, **kw), optirs_jax.muon(0.02, ns_dtype=jnp.bfloat16, **kw)
+    assert "scatter-add" not in str(jax.make_jaxpr(tx.update)(grads, tx.init(params), params))
+    with jax.default_matmul_precision("highest"):
+      ref, _ = jax.jit(ref_tx.update)(grads, ref_tx.init(params), params)
+    got, _ = jax.jit(tx.update)(grads, tx.init(params), params)
+    for k in params:
+      assert _rel(got[k], ref[k]) < 0.1, (kw, k, _rel(got[k], ref[k]))
+  tx = optirs_jax.muon(0.02, ns_dtype=jnp.bfloat16)  # the standard row takes the square
+  assert "scatter-add" in str(jax.make_jaxpr(tx.update)(grads, tx.init(params), params))
+  # ns_steps traced (inject_hyperparams): the square's loop, its scale after it
+  tx = optax.inject_hyperparams(optirs_jax.muon)(learning_rate=0.02, ns_dtype=jnp.bfloat16)
+  got, _ = jax.jit(tx.update)(grads, tx.init(params), params)
+  with jax.default_matmul_precision("highest"):
+    ref, _ = jax.jit(contrib.muon(0.02).update)(grads, contrib.muon(0.02).init(params), params)
+  for k in params:
+    assert _rel(got[k], ref[k]) < 0.1, (k, _rel(got[k], ref[k]))
+
+
 def test_newton_schulz_orthogonalizes():
   # optax's test_newton_schulz: 20 steps of (2, -1.5, 0.5) give an orthonormal matrix,
   # for a real and a complex one; here both in one call, with a numpy check of the Gram.

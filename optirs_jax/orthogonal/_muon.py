@@ -7,6 +7,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from optirs_jax.backends import validate_backend
@@ -109,6 +110,7 @@ def scale_by_muon(ns_coeffs: Any = PRESETS["standard"], ns_steps: int = 5,
   # Checked now: a bad shape fails at construction. (With a traced count, inside
   # inject_hyperparams' update, only the update runs: it takes the state's coefficients.)
   coeffs = None if concrete is None else coefficients(ns_coeffs, concrete)
+  square = _nonzero_c2(ns_coeffs)
 
   def init_fn(params):
     if coeffs is None:
@@ -146,7 +148,8 @@ def scale_by_muon(ns_coeffs: Any = PRESETS["standard"], ns_steps: int = 5,
       return stack
 
     out = orthogonalize(mu_hat, dims, state.ns_coeffs, steps, preconditioning=preconditioning,
-                        eps=eps, ns_dtype=ns_dtype, ns_axes=ns_axes, stacks=stacks)
+                        eps=eps, ns_dtype=ns_dtype, ns_axes=ns_axes, stacks=stacks,
+                        square=square)
     if adaptive:  # the dual norm of the momentum (Bernstein et al., 2024)
       out = [jnp.sum(m.conj() * o) * o for m, o in zip(mu_hat, out)]
     new_mu = [fused.get(i, m) for i, m in enumerate(new_mu)]
@@ -155,6 +158,16 @@ def scale_by_muon(ns_coeffs: Any = PRESETS["standard"], ns_steps: int = 5,
     return unflat(out), MuonState(count, unflat(new_mu), state.ns_coeffs)
 
   return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _nonzero_c2(ns_coeffs) -> bool:
+  """Whether ``ns_coeffs`` is one known row of coefficients whose ``c2`` is not zero (the
+  square form's condition, :func:`orthogonalize_stack`'s ``square``)."""
+  try:
+    c = np.asarray(PRESETS[ns_coeffs] if isinstance(ns_coeffs, str) else ns_coeffs, float)
+  except (TypeError, jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
+    return False
+  return c.shape == (3,) and bool(c[2] != 0)
 
 
 def _scale_by_shape(weight_dimension_numbers, consistent_rms) -> optax.GradientTransformation:

@@ -164,7 +164,8 @@ def gram_splits(batch: int, short: int, long: int, *, itemsize: int = 4) -> int:
 
 def orthogonalize_stack(x: jax.Array, coeffs: jax.Array, ns_steps: int, *,
                         preconditioning: str = "frobenius", eps=1e-8, ns_dtype=None,
-                        exact: bool = False, transposed: bool = False) -> jax.Array:
+                        exact: bool = False, transposed: bool = False,
+                        square: bool = False) -> jax.Array:
   """Newton–Schulz on every matrix of ``x`` (``[batch, rows, cols]``), one chain.
 
   A tall stack (rows > columns) is iterated as the transpose of a wide one, as optax
@@ -191,6 +192,11 @@ def orthogonalize_stack(x: jax.Array, coeffs: jax.Array, ns_steps: int, *,
       contracts the contiguous axis (a TF32 product contracting the strided one runs at
       about half the speed), the last product writing the matrices tall. The fast form
       only.
+    square: the coefficients' ``c2`` is known to be nonzero: a 16-bit chain of one row of
+      coefficients with the Frobenius normalization takes the step's factor as a square
+      (:func:`~optirs_jax.orthogonal._ns_steps.square_terms`): two updates of its
+      diagonal instead of the factor's elementwise passes, and in bfloat16 the more
+      accurate form.
 
   Returns:
     The orthogonalized stack, shaped and typed as ``x`` (``transposed``: ``x``'s
@@ -223,8 +229,12 @@ def orthogonalize_stack(x: jax.Array, coeffs: jax.Array, ns_steps: int, *,
   if exact:
     x = _exact_chain(x, coeffs.astype(x.dtype), ns_steps, side, preconditioning, eps)
   else:
-    x = _fast_chain(x, coeffs.astype(x.dtype), ns_steps, side, preconditioning, eps,
-                    transposed)
+    if (square and coeffs.ndim == 1 and preconditioning == "frobenius"
+        and x.dtype.itemsize == 2 and _static(ns_steps) != 0):
+      x = _square_chain(x, coeffs.astype(x.dtype), ns_steps, side, eps, transposed)
+    else:
+      x = _fast_chain(x, coeffs.astype(x.dtype), ns_steps, side, preconditioning, eps,
+                      transposed)
     axis = -2 if transposed else axis
   if padded != long:
     x = jax.lax.slice_in_dim(x, 0, long, axis=x.ndim + axis)
@@ -281,6 +291,30 @@ def _fast_chain(x, c, ns_steps, side, preconditioning, eps, out_tall=False):
   return ns.step(x, c if c.ndim == 1 else c[-1], last, True) if n > 1 else x
 
 
+def _square_chain(x, c, ns_steps, side, eps, out_tall=False):
+  """The fast form's steps in the square form (:func:`~._ns_steps.square_terms`; one row
+  of coefficients, the Frobenius normalization folded into the first step): ``Y = q X / s``
+  is iterated, its sign carried as a scalar, and ``1 / q`` folded into the last step's
+  factor (with a traced step count, into a multiply after the loop)."""
+  q, sigma, _, _ = ns.square_terms(c)
+  n = _static(ns_steps)
+  a = side.gram(x)
+  d = jnp.diagonal(a, axis1=-2, axis2=-1).astype(jnp.float32)
+  s = (1 / (jnp.sqrt(d.sum(-1)) + eps))[:, None, None]  # 1 / (|X|_F + eps)
+  last = side._replace(out_tall=True) if out_tall else side
+  end = (sigma**n / q) if n is not None else None  # the last step's 1 / q, and the signs
+  if n == 1:
+    return ns.square_step(x, c, last, g=a, pre=q * q * s * s, post=q * s * end)
+  z = ns.square_step(x, c, side, g=a, pre=q * q * s * s, post=q * s)
+  if n is None:  # traced: the loop's steps, then the scale and the transpose
+    z = jax.lax.fori_loop(1, ns_steps, lambda i, z: ns.square_step(z, c, side), z)
+    z = z * (sigma**ns_steps / q).astype(z.dtype)
+    return jnp.swapaxes(z, -1, -2) if out_tall else z
+  if n > 2:
+    z = jax.lax.fori_loop(1, n - 1, lambda i, z: ns.square_step(z, c, side), z, unroll=True)
+  return ns.square_step(z, c, last, post=end) if n > 1 else z
+
+
 def _static(n) -> int | None:
   """A step count as an int, or None where it is traced."""
   try:
@@ -291,7 +325,8 @@ def _static(n) -> int | None:
 
 def orthogonalize(leaves: Sequence[jax.Array], dims: Sequence, coeffs: jax.Array,
                   ns_steps: int, *, preconditioning: str = "frobenius", eps=1e-8,
-                  ns_dtype=None, ns_axes="auto", stacks=None) -> list[jax.Array]:
+                  ns_dtype=None, ns_axes="auto", stacks=None,
+                  square: bool = False) -> list[jax.Array]:
   """Every leaf orthogonalized; leaves whose matrices share a shape and a dtype run as
   one batched chain (:func:`orthogonalize_stack` of their concatenated
   matrices).
@@ -328,7 +363,7 @@ def orthogonalize(leaves: Sequence[jax.Array], dims: Sequence, coeffs: jax.Array
   mesh, usable = mesh_of(leaves)
   axes = spread_axes(mesh, usable, ns_axes)
   kw = dict(preconditioning=preconditioning, eps=eps, ns_dtype=ns_dtype, mesh=mesh,
-            axes=axes)
+            axes=axes, square=square)
   explicit = [a for a in axes if dict(zip(mesh.axis_names, mesh.axis_types))[a] ==
               AxisType.Explicit]
   out: list = [None] * len(leaves)

@@ -119,3 +119,43 @@ def schatten_step(x, c, side, fold):
   norm = jnp.linalg.norm(a, ord="fro", axis=(-2, -1), keepdims=True)
   s = real_as(jax.lax.rsqrt(jnp.clip(norm, min=_FIRST_STEP_EPS)), x)
   return update(x * s, a * s**2, c, side, fold)
+
+
+def square_terms(c):
+  r"""The quintic step's factor as a square: :math:`c_0 I + c_1 A + c_2 A^2 = \sigma|c_2|
+  (A + aI)^2 + bI` with :math:`a = c_1/(2c_2)`, :math:`b = c_0 - c_1^2/(4c_2)`,
+  :math:`\sigma = \mathrm{sign}(c_2)`. Iterating :math:`Y = qX`, :math:`q = |c_2|^{1/4}`,
+  a step is :math:`G = YY^T + d_1 I`, :math:`Y' = \sigma (G^2 + d_2 I) Y` with
+  :math:`d_1 = a\sqrt{|c_2|}`, :math:`d_2 = \sigma b`. Returns ``(q, sigma, d1, d2)``."""
+  c0, c1, c2 = (c[i].astype(jnp.float32) for i in range(3))
+  sigma, root = jnp.sign(c2), jnp.sqrt(jnp.abs(c2))
+  return jnp.sqrt(root), sigma, c1 / (2 * c2) * root, sigma * (c0 - c1 * c1 / (4 * c2))
+
+
+def add_diagonal(a, v):
+  """``a + v I`` on every matrix of ``a``, as an update of the diagonal alone (in place
+  where XLA reuses the operand's buffer)."""
+  i = jnp.arange(a.shape[-1])
+  return a.at[..., i, i].add(jnp.asarray(v).astype(a.dtype))
+
+
+def square_step(y, c, side, *, g=None, pre=None, post=None):
+  """One step of the square form (:func:`square_terms`) on a stored ``Y`` (the sign
+  ``sigma`` of each step left out, the caller's to carry): ``G = Y Y^T + d1 I``,
+  ``Y' = (G^2 + d2 I) Y``. ``pre`` (``[batch, 1, 1]``): ``G = pre * Y Y^T + d1 I``, one
+  elementwise pass (the first step's scaling); ``post``: the factor times ``post``, one
+  elementwise pass (the first and last steps); otherwise each ``+ d I`` updates the
+  diagonal alone. ``g``: ``Y Y^T``, where the caller has it."""
+  _, _, d1, d2 = square_terms(c)
+  g = side.gram(y) if g is None else g
+  eye = lambda d, a: d.astype(a.dtype) * jnp.eye(a.shape[-1], dtype=a.dtype)[None]
+  if pre is None:
+    g = add_diagonal(g, d1)
+  else:  # materialized: an elementwise prologue would take the product off cuBLAS
+    g = jax.lax.optimization_barrier(g * pre.astype(g.dtype) + eye(d1, g))
+  f = g @ g
+  if post is None:
+    f = add_diagonal(f, d2)
+  else:
+    f = jax.lax.optimization_barrier((f + eye(d2, f)) * post.astype(f.dtype))
+  return side.apply(f, y)
