@@ -346,6 +346,7 @@ def orthogonalize(leaves: Sequence[jax.Array], dims: Sequence, coeffs: jax.Array
   float32 group: each matrix transposed, zero past its rows to ``width``, the stack then
   iterated wide (:func:`orthogonalize_stack`'s ``transposed``). None, or no ``stacks``:
   the leaves concatenated.
+  ``square``: the coefficients' ``c2`` is nonzero (:func:`orthogonalize_stack`'s).
 
   >>> import jax.numpy as jnp
   >>> from optirs_jax.orthogonal import MuonDimensionNumbers, coefficients, orthogonalize
