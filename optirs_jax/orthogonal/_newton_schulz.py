@@ -124,6 +124,11 @@ def coefficients(ns_coeffs, ns_steps: int) -> jax.Array:
 #: the iteration: a product contracting over an unaligned axis pads its operand itself,
 #: a pass over the stack in every step (GPT-2's 50257-entry vocabulary).
 _PAD_ABOVE, _PAD = 4096, 128
+
+
+def _padded(long: int) -> int:
+  """The fast form's long side: above 4096, padded to a multiple of 128."""
+  return long + (-long % _PAD if long > _PAD_ABOVE else 0)
 #: A Gram product whose output tiles (128 x 128) are fewer than ``_FEW_TILES``, one for each
 #: of an H100's or H200's 132 cores, is split until the tiles of all its parts fill
 #: ``_TILES`` (eight waves: a partial last wave then costs little; ``_TILES_16`` for 16-bit
@@ -212,7 +217,7 @@ def orthogonalize_stack(x: jax.Array, coeffs: jax.Array, ns_steps: int, *,
     x = x.astype(ns_dtype)
   tall = x.shape[-2] > x.shape[-1]
   long, short = max(x.shape[-2:]), min(x.shape[-2:])
-  padded = long + (-long % _PAD if not exact and long > _PAD_ABOVE else 0)
+  padded = long if exact else _padded(long)
   parts = 1 if exact or transposed else gram_splits(x.shape[0], short, padded,
                                                     itemsize=x.dtype.itemsize)
   swap = (exact and tall) or (parts > 1 and not tall)
@@ -299,8 +304,7 @@ def _square_chain(x, c, ns_steps, side, eps, out_tall=False):
   q, sigma, _, _ = ns.square_terms(c)
   n = _static(ns_steps)
   a = side.gram(x)
-  d = jnp.diagonal(a, axis1=-2, axis2=-1).astype(jnp.float32)
-  s = (1 / (jnp.sqrt(d.sum(-1)) + eps))[:, None, None]  # 1 / (|X|_F + eps)
+  s = ns.inverse_norm(a, eps)  # 1 / (|X|_F + eps)
   last = side._replace(out_tall=True) if out_tall else side
   end = (sigma**n / q) if n is not None else None  # the last step's 1 / q, and the signs
   if n == 1:
@@ -403,7 +407,7 @@ def _wide(shape, dtype) -> tuple[int, int, int] | None:
   rows, cols = shape
   if jnp.dtype(dtype) != jnp.float32 or rows <= cols:
     return None
-  return rows, cols, rows + (-rows % _PAD if rows > _PAD_ABOVE else 0)
+  return rows, cols, _padded(rows)
 
 
 def _orthogonalize_group(mats, coeffs, ns_steps, *, mesh, axes, stack=None,

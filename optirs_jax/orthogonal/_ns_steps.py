@@ -99,15 +99,20 @@ def aol_step(x, c, side, fold):
   return update(side.scale(x, s), a * s[..., :, None] * s[..., None, :], c, side, fold)
 
 
+def inverse_norm(a, eps):
+  """``1 / (|X|_F + eps)`` (``[batch, 1, 1]``, at least float32) from ``a = X X^H``: the
+  norm squared is the trace of the Gram matrix."""
+  d = jnp.real(jnp.diagonal(a, axis1=-2, axis2=-1))
+  wide = d.dtype if jnp.finfo(d.dtype).bits >= 32 else jnp.float32  # (strict promotion)
+  return (1 / (jnp.sqrt(d.astype(wide).sum(-1)) + eps))[:, None, None]
+
+
 def frobenius_step(x, c, side, fold, eps):
   """The first step of the unnormalized ``x``, divided by its Frobenius norm inside the
   step: the norm squared is the trace of the Gram matrix, so ``X / s`` (``s = |X|_F +
   eps``) costs no pass over the stack: ``A / s^2``, and ``1 / s`` in the factor."""
   a = side.gram(x)
-  d = jnp.real(jnp.diagonal(a, axis1=-2, axis2=-1))
-  wide = d.dtype if jnp.finfo(d.dtype).bits >= 32 else jnp.float32  # (strict promotion)
-  norm = jnp.sqrt(d.astype(wide).sum(-1))
-  s = (1 / (norm + eps))[:, None, None]
+  s = inverse_norm(a, eps)
   real = jnp.real(a).dtype
   return update(x, a * real_as((s * s).astype(real), a), c, side, fold,
                  real_as(s.astype(real), a))
