@@ -229,8 +229,10 @@ def orthogonalize_stack(x: jax.Array, coeffs: jax.Array, ns_steps: int, *,
     pad = [(0, 0)] * x.ndim
     pad[axis] = (0, padded - long)
     x = jnp.pad(x, pad)
-  if preconditioning == "spectral":
-    x = x / ns.real_as(jnp.linalg.norm(x, ord=2, axis=(-2, -1), keepdims=True) + eps, x)
+  if preconditioning == "spectral":  # a 16-bit stack's in float32 (no 16-bit SVD)
+    w = x.astype(jnp.float32) if x.dtype.itemsize < 4 else x
+    norm = jnp.linalg.norm(w, ord=2, axis=(-2, -1), keepdims=True) + eps
+    x = (w / ns.real_as(norm, w)).astype(x.dtype)
   if exact:
     x = _exact_chain(x, coeffs.astype(x.dtype), ns_steps, side, preconditioning, eps)
   else:
