@@ -1,6 +1,9 @@
 """Muon on GPT-2 small's params: optax.contrib.muon against optirs_jax.muon (the momentum's
 precision, and bfloat16 Newton–Schulz), with optax.adamw for scale, side by side on the
-local GPU; and the GPU's matrix-product peak in the same run.
+local GPU; and the GPU's matrix-product peak in the same run. ``muon-bf16-stepwise`` and
+``muon-bf16-expanded`` are ``muon-bf16`` with its earlier forms (the long embedding's chain
+step by step instead of the Gram form; and the factor expanded instead of the square
+form), for an A/B in one process.
 
     PYTHONPATH=. python3 benchmarks/muon_step.py [--json out.json] [--hlo DIR] [--steps N]
 
@@ -18,11 +21,13 @@ bound, the step's elementwise work counts against it). The peak: a square produc
 """
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
 import re
 import sys
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -32,14 +37,24 @@ from optax import contrib
 import optirs_jax
 from optirs_jax.bench import timing
 from optirs_jax.bench.cases import gpt2_small_shapes, make_tree
-from optirs_jax.orthogonal import flops
+from optirs_jax.orthogonal import _gram_form, _muon, flops
 from optirs_jax.planning.tensor_cores import gemm
 
 CONFIGS = {
     "optax-muon": lambda: contrib.muon(0.02),  # optax.contrib.muon
     "muon": lambda: optirs_jax.muon(0.02),  # optirs_jax.muon, the momentum's precision
     "muon-bf16": lambda: optirs_jax.muon(0.02, ns_dtype=jnp.bfloat16),
+    # bfloat16 without the Gram form (the embedding's chain step by step), and without the
+    # square form too (the factor expanded): the earlier forms, for an A/B in one process
+    "muon-bf16-stepwise": lambda: optirs_jax.muon(0.02, ns_dtype=jnp.bfloat16),
+    "muon-bf16-expanded": lambda: optirs_jax.muon(0.02, ns_dtype=jnp.bfloat16),
     "optax-adamw": lambda: optax.adamw(1e-3),
+}
+#: What each variant sets while it is built and traced: (module, name) -> value.
+VARIANTS = {
+    "muon-bf16-stepwise": {(_gram_form, "RATIO"): sys.maxsize},
+    "muon-bf16-expanded": {(_gram_form, "RATIO"): sys.maxsize,
+                           (_muon, "_nonzero_c2"): lambda ns_coeffs: False},
 }
 
 
@@ -103,7 +118,7 @@ def main(argv=None):
   print("# matmul peak (8192^3): " + ", ".join(f"{k} {v:.1f} TFLOP/s" for k, v in peaks.items()),
         flush=True)
   rows = []
-  print(f"{'config':<14}{'first s':>9}{'busy ms':>10}{'summed ms':>11}{'products':>10}"
+  print(f"{'config':<20}{'first s':>9}{'busy ms':>10}{'summed ms':>11}{'products':>10}"
         f"{'kernels':>9}{'x optax':>9}{'NS TFLOP/s':>12}", flush=True)
   base = None
   for name in args.configs.split(","):
@@ -113,7 +128,10 @@ def main(argv=None):
     if args.hlo:
       os.makedirs(args.hlo, exist_ok=True)
       hlo = os.path.join(args.hlo, f"{name}.hlo.txt")
-    first, prof = measure(CONFIGS[name](), params, grads, args.steps, hlo)
+    with contextlib.ExitStack() as patches:
+      for (module, attr), value in VARIANTS.get(name, {}).items():
+        patches.enter_context(mock.patch.object(module, attr, value))
+      first, prof = measure(CONFIGS[name](), params, grads, args.steps, hlo)
     busy = prof["busy_s"]
     base = busy if name == "optax-muon" else base
     tflops = ns_flops / busy / 1e12 if busy and "muon" in name else None
@@ -124,7 +142,7 @@ def main(argv=None):
                kernels=sum(c for _, _, c in prof["top"]) or None, top=prof["top"][:60])
     rows.append(row)
     fmt = lambda v, f: format(v, f) if v is not None else format("-", ">" + f.split(".")[0])
-    print(f"{name:<14}{first:9.2f}{fmt(row['busy_ms'], '10.3f')}{fmt(row['summed_ms'], '11.3f')}"
+    print(f"{name:<20}{first:9.2f}{fmt(row['busy_ms'], '10.3f')}{fmt(row['summed_ms'], '11.3f')}"
           f"{fmt(row['products_ms'], '10.3f')}{fmt(row['kernels'], '9.0f')}"
           f"{fmt(row['x_optax'], '9.2f')}{fmt(tflops, '12.1f')}", flush=True)
     if args.json:  # after each row: a run cut short keeps what it measured

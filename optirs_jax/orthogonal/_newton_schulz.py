@@ -21,7 +21,9 @@ in place; Muon's kernel writes a float32 one wide, since a TF32 Gram product con
 the strided axis runs at half the speed), each step is one product,
 :math:`X_{k+1} = (c_0 I + c_1 A_k + c_2 A_k^2) X_k`, a long side above 4096 is padded once
 for the products, and a Gram product with too few output tiles for the GPU's cores is
-split along its long contraction (:func:`gram_splits`).
+split along its long contraction (:func:`gram_splits`). In 16-bit chains, a matrix at
+least 16 times as long as wide takes the Gram form (``_gram_form.py``): the iteration on
+its Gram matrix, one product with it at the end.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType
 
+from optirs_jax.orthogonal import _gram_form as gram_form
 from optirs_jax.orthogonal import _ns_steps as ns
 from optirs_jax.orthogonal._spread import mesh_of, spread, spread_axes
 
@@ -180,7 +183,10 @@ def orthogonalize_stack(x: jax.Array, coeffs: jax.Array, ns_steps: int, *,
   step is one product ``(c0 I + c1 A + c2 A^2) X``, a long side above 4096 is padded
   with zeros to a multiple of 128 once (its products would pad it in every step), and a
   Gram product of few output tiles is split along its long side (:func:`gram_splits`; a wide
-  stack so split is transposed once, there and back).
+  stack so split is transposed once, there and back). A 16-bit chain of matrices at least
+  16 times as long as wide (a vocabulary's embedding), Frobenius or spectral, runs on the
+  small side (``orthogonal/_gram_form.py``: three products of the long side in
+  all, the small side's to about float32's precision).
 
   Args:
     x: the stacked matrices.
@@ -236,8 +242,11 @@ def orthogonalize_stack(x: jax.Array, coeffs: jax.Array, ns_steps: int, *,
   if exact:
     x = _exact_chain(x, coeffs.astype(x.dtype), ns_steps, side, preconditioning, eps)
   else:
-    if (square and coeffs.ndim == 1 and preconditioning == "frobenius"
-        and x.dtype.itemsize == 2 and _static(ns_steps) != 0):
+    if gram_form.applies(x, coeffs, ns_steps, preconditioning):
+      x = gram_form.chain(x, coeffs, ns_steps, side, eps, out_tall=transposed,
+                          normalize=preconditioning == "frobenius")
+    elif (square and coeffs.ndim == 1 and preconditioning == "frobenius"
+          and x.dtype.itemsize == 2 and ns.static_count(ns_steps) != 0):
       x = _square_chain(x, coeffs.astype(x.dtype), ns_steps, side, eps, transposed)
     else:
       x = _fast_chain(x, coeffs.astype(x.dtype), ns_steps, side, preconditioning, eps,
@@ -282,7 +291,7 @@ def _fast_chain(x, c, ns_steps, side, preconditioning, eps, out_tall=False):
   first = {"aol": ns.aol_step, "schatten": ns.schatten_step,
            "frobenius": functools.partial(ns.frobenius_step, eps=eps)}.get(preconditioning,
                                                                          ns.step)
-  n = c.shape[0] if c.ndim == 2 else _static(ns_steps)
+  n = c.shape[0] if c.ndim == 2 else ns.static_count(ns_steps)
   peel = out_tall and n is not None and n > 0
   middle = lambda x, end: (  # steps 1 to end - 1
       jax.lax.fori_loop(1, end, lambda i, x: ns.step(x, c, side, True), x, unroll=True)
@@ -304,7 +313,7 @@ def _square_chain(x, c, ns_steps, side, eps, out_tall=False):
   is iterated, its sign carried as a scalar, and ``1 / q`` folded into the last step's
   factor (with a traced step count, into a multiply after the loop)."""
   q, sigma, _, _ = ns.square_terms(c)
-  n = _static(ns_steps)
+  n = ns.static_count(ns_steps)
   a = side.gram(x)
   s = ns.inverse_norm(a, eps)  # 1 / (|X|_F + eps)
   last = side._replace(out_tall=True) if out_tall else side
@@ -319,14 +328,6 @@ def _square_chain(x, c, ns_steps, side, eps, out_tall=False):
   if n > 2:
     z = jax.lax.fori_loop(1, n - 1, lambda i, z: ns.square_step(z, c, side), z, unroll=True)
   return ns.square_step(z, c, last, post=end) if n > 1 else z
-
-
-def _static(n) -> int | None:
-  """A step count as an int, or None where it is traced."""
-  try:
-    return int(n)
-  except (jax.errors.ConcretizationTypeError, jax.errors.TracerIntegerConversionError):
-    return None
 
 
 def orthogonalize(leaves: Sequence[jax.Array], dims: Sequence, coeffs: jax.Array,

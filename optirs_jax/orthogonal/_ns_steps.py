@@ -36,18 +36,22 @@ class Side(NamedTuple):
   splits: int = 1
   out_tall: bool = False
 
-  def gram(self, x, conj: bool = True):
-    """``X X^H`` (``Y^H Y`` for a tall stack; ``conj=False``: the plain transposes)."""
-    if not self.tall:  # optax's expression, so that the exact program is its program
+  def gram(self, x, conj: bool = True, out=None):
+    """``X X^H`` (``Y^H Y`` for a tall stack; ``conj=False``: the plain transposes), in
+    ``out`` (default: ``x``'s dtype; float32 takes a 16-bit stack's products' sums)."""
+    if not self.tall and out is None:  # optax's expression: the exact program is its own
       xt = jnp.swapaxes(x, -1, -2)
       return x @ (xt.conj() if conj else xt)
+    if not self.tall:
+      return jax.lax.dot_general(x, x.conj() if conj else x, (((2,), (2,)), ((0,), (0,))),
+                                 preferred_element_type=out)
     if self.splits == 1:
-      return batched_dot(x.conj() if conj else x, x, 1)
+      return batched_dot(x.conj() if conj else x, x, 1, out)
     b, n, m = x.shape  # row blocks as a batch (a reshape of the row-major stack, no copy)
     parts = x.reshape(b * self.splits, n // self.splits, m)
     acc = jnp.float32 if x.dtype.itemsize < 4 else x.dtype  # bfloat16 sums in float32
     a = batched_dot(parts.conj() if conj else parts, parts, 1, acc)
-    return a.reshape(b, self.splits, m, m).sum(1).astype(x.dtype)
+    return a.reshape(b, self.splits, m, m).sum(1).astype(out or x.dtype)
 
   def apply(self, b, x):
     if self.tall:
@@ -135,6 +139,14 @@ def square_terms(c):
   c0, c1, c2 = (c[i].astype(jnp.float32) for i in range(3))
   sigma, root = jnp.sign(c2), jnp.sqrt(jnp.abs(c2))
   return jnp.sqrt(root), sigma, c1 / (2 * c2) * root, sigma * (c0 - c1 * c1 / (4 * c2))
+
+
+def static_count(n) -> int | None:
+  """A step count as an int, or None where it is traced (``inject_hyperparams``)."""
+  try:
+    return int(n)
+  except (jax.errors.ConcretizationTypeError, jax.errors.TracerIntegerConversionError):
+    return None
 
 
 def add_diagonal(a, v):
