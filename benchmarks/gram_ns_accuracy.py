@@ -13,10 +13,18 @@ and of the Gram form with every product in float32, with ``A_0`` in bfloat16, an
 iteration's products on TF32 inputs (what a GPU's default float32 precision does); on
 Gaussian matrices and on ones with singular values decaying as ``k^-1.5``
 (ill-conditioned, as momenta are).
+
+Then the forms built (``optirs_jax.orthogonal.orthogonalize_stack`` with
+``ns_dtype=jnp.bfloat16``) against optax's chain in float64 numpy: the Gram form
+(``orthogonal/_gram_form.py``: ``A_0`` from the bfloat16 stack with float32 sums, the
+``m x m`` iteration in bf16x3 products, ``Q_5 X_0`` in two bfloat16 parts), the chain step
+by step with the factor as a square, and with the factor expanded; on the matrices above
+and on one of rank 30 (a vocabulary's momentum has rows of tokens never seen).
 """
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 jax.config.update("jax_default_matmul_precision", "highest")
 C0, C1, C2 = 3.4445, -4.7750, 2.0315
@@ -73,5 +81,42 @@ def main():
             f"{rel(gram(x, f32, bf16, tf32), ref):16.4f}", flush=True)
 
 
+def optax_chain_f64(x):
+  """optax's chain (Frobenius, five standard steps) on a wide matrix, in float64 numpy."""
+  w = x / (np.linalg.norm(x) + 1e-8)
+  for _ in range(5):
+    a = w @ w.T
+    w = C0 * w + (C1 * a + C2 * a @ a) @ w
+  return w
+
+
+def built():
+  from unittest import mock
+
+  from optirs_jax.orthogonal import _gram_form, orthogonalize_stack
+  from optirs_jax.orthogonal._newton_schulz import PRESETS
+
+  def run(x, gram, square):
+    with mock.patch.object(_gram_form, "RATIO", 16 if gram else 10**9):
+      return np.asarray(orthogonalize_stack(jnp.asarray(x[None], jnp.float32),
+                                            jnp.asarray(PRESETS["standard"]), 5,
+                                            ns_dtype=jnp.bfloat16, square=square)[0],
+                        np.float64)
+
+  print(f"\n{'bfloat16 forms against float64':<32}{'Gram form':>10}{'square':>9}"
+        f"{'expanded':>10}")
+  for m, n in [(64, 2048), (256, 16384)]:
+    g = np.asarray(jax.random.normal(jax.random.PRNGKey(m + n), (m, n)), np.float64)
+    u, _, vt = np.linalg.svd(g, full_matrices=False)
+    kinds = {"gaussian": g, "decaying": (u * np.arange(1, m + 1.0) ** -1.5) @ vt,
+             "rank 30": g * (np.arange(n) < 30)}
+    for kind, x in kinds.items():
+      want = optax_chain_f64(x)
+      err = [np.linalg.norm(run(x, *f) - want) / np.linalg.norm(want)
+             for f in [(True, True), (False, True), (False, False)]]
+      print(f"{f'{m}x{n} {kind}':<32}{err[0]:10.4f}{err[1]:9.4f}{err[2]:10.4f}", flush=True)
+
+
 if __name__ == "__main__":
   main()
+  built()
