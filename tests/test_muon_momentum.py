@@ -37,7 +37,7 @@ SHAPES = [(3, 16, 300), (16, 300), (2, 16, 300)]
 TALL, WIDE = [(3, 300, 40), (300, 40), (2, 300, 40)], (300, 40, 384)
 
 
-def _numpy(gs, ms, beta, t, nesterov, wide=None):
+def _numpy(gs, ms, beta, t, nesterov, wide=None, transpose=True):
   news, hats = [], []
   for g, m in zip(gs, ms):
     g, m = np.asarray(g, np.float64), np.asarray(m, np.float64)
@@ -47,11 +47,12 @@ def _numpy(gs, ms, beta, t, nesterov, wide=None):
     else:
       hat = new / (1 - beta**t)
     news.append(new)
-    if wide is not None:  # each matrix transposed, zeros past its rows
+    if wide is not None:  # each matrix transposed (or not), zeros past its rows
       rows, cols, width = wide
-      padded = np.zeros((hat.size // (rows * cols), cols, width))
-      padded[:, :, :rows] = np.swapaxes(hat.reshape(-1, rows, cols), 1, 2)
-      hat = padded
+      mats = hat.reshape(-1, rows, cols)
+      padded = np.zeros((len(mats), width, cols))
+      padded[:, :rows] = mats
+      hat = np.swapaxes(padded, 1, 2) if transpose else padded
     hats.append(hat.ravel())
   return news, np.concatenate(hats)
 
@@ -59,20 +60,23 @@ def _numpy(gs, ms, beta, t, nesterov, wide=None):
 @pytest.mark.parametrize("backend", ["pallas", "jnp"])
 @pytest.mark.parametrize("nesterov", [True, False])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("wide", [False, True], ids=["flat", "wide"])
-def test_momentum_and_stack_equal_the_arithmetic(backend, nesterov, dtype, wide):
-  shapes, wide = (TALL, WIDE) if wide else (SHAPES, None)
+@pytest.mark.parametrize("layout", ["flat", "wide", "padded"])
+def test_momentum_and_stack_equal_the_arithmetic(backend, nesterov, dtype, layout):
+  # padded: tall matrices kept tall, zero past their rows (a 16-bit stack the chain pads)
+  shapes, wide = (SHAPES, None) if layout == "flat" else (TALL, WIDE)
+  transpose = layout == "wide"
   keys = jax.random.split(KEY, 2 * len(shapes))
   gs = [jax.random.normal(k, s) for k, s in zip(keys, shapes)]
   ms = [jax.random.normal(k, s) for k, s in zip(keys[len(shapes):], shapes)]
   beta, t = 0.95, 3
   h = jnp.array([1 - beta, beta, 1 - beta**t, 1 - beta ** (t + 1)], jnp.float32)
   run = jax.jit(lambda gs, ms: momentum_stack(gs, ms, h, nesterov=nesterov,
-                                              stack_dtype=dtype, wide=wide, backend=backend))
+                                              stack_dtype=dtype, wide=wide,
+                                              transpose=transpose, backend=backend))
   if backend == "pallas":
     assert "muon_momentum_stack" in str(jax.make_jaxpr(run)(gs, ms))
   news, stack = run(gs, ms)
-  want_news, want_stack = _numpy(gs, ms, beta, t, nesterov, wide)
+  want_news, want_stack = _numpy(gs, ms, beta, t, nesterov, wide, transpose)
   assert stack.dtype == dtype and stack.shape == want_stack.shape
   for got, want, m in zip(news, want_news, ms):
     assert got.shape == m.shape and got.dtype == jnp.float32
@@ -128,6 +132,24 @@ def test_muon_through_the_kernel_matches_optax(kw, standard_promotion):
   mu = lambda s: s.inner_states["muon"].inner_state[0].mu
   for k in ("up0", "up2", "down1", "vocab", "odd"):
     np.testing.assert_allclose(mu(states[0])[k], mu(states[1])[k], rtol=1e-6, atol=1e-7)
+
+
+def test_bfloat16_muon_through_the_kernel_writes_the_long_stack_padded(standard_promotion):
+  # In bfloat16 the long leaf's stack is written padded to 4224 rows by the kernel (no pad
+  # of its own), then takes the Gram form: within 0.01 of optax at float32's precision
+  # (the other stacks' chains step by step: 0.1, the bfloat16 tolerance). Four stacks:
+  # 7 x 9 alone takes the fast form too in bfloat16 (optax's program only at its precision).
+  params = _tree()
+  ours, ref = optirs_jax.muon(0.02, backend="pallas", ns_dtype=jnp.bfloat16), contrib.muon(0.02)
+  grads = jax.tree.map(jnp.sin, params)
+  jaxpr = str(jax.make_jaxpr(ours.update)(grads, ours.init(params), params))
+  assert jaxpr.count("name=muon_momentum_stack") == 4 and " pad[" not in jaxpr
+  u, _ = jax.jit(ours.update)(grads, ours.init(params), params)
+  with jax.default_matmul_precision("highest"):
+    u_ref, _ = jax.jit(ref.update)(grads, ref.init(params), params)
+  for k in params:
+    rel = float(jnp.linalg.norm(u[k] - u_ref[k]) / jnp.linalg.norm(u_ref[k]))
+    assert rel < (0.01 if k == "vocab" else 0.1), (k, rel)
 
 
 def test_under_inject_hyperparams_through_the_kernel(standard_promotion):

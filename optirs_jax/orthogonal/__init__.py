@@ -16,10 +16,10 @@ from optirs_jax.orthogonal._newton_schulz import (
   MuonDimensionNumbers,
   coefficients,
   flops,
-  gram_splits,
   orthogonalize,
   orthogonalize_stack,
 )
+from optirs_jax.orthogonal._tiling import gram_splits
 
 __all__ = [
     "PRECONDITIONINGS", "PRESETS", "MuonDimensionNumbers", "MuonState", "coefficients", "flops",

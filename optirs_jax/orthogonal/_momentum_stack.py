@@ -18,7 +18,8 @@ in place whose tail XLA had read (two copies of GPT-2's embedding a step, 0.21 m
 
 A stack of tall matrices in float32 is written wide (``wide``): each matrix transposed,
 a program a 64 x 64 tile, so that the chain's TF32 Gram products contract the contiguous
-axis (contracting the strided one, an H100 ran them at about half the speed).
+axis (contracting the strided one, an H100 ran them at about half the speed). A 16-bit
+stack of matrices whose long side the chain pads is written padded (``transpose=False``).
 """
 
 from __future__ import annotations
@@ -83,9 +84,10 @@ def _body(h_ref, *refs, bounds, sizes, offsets, nesterov):
       pltriton.store(stack_ref.at[offsets[k] + idx], hat.astype(stack_ref.dtype), mask=mask)
 
 
-def _wide_body(h_ref, *refs, bounds, firsts, wide, tile, nesterov):
+def _wide_body(h_ref, *refs, bounds, firsts, wide, tile, nesterov, transpose):
   """A program: one ``tile`` (rows x columns) of one matrix, read row-major and written
-  transposed into the stack (rows past the matrix's: zeros up to the stack's width)."""
+  into the stack transposed (``transpose``) or as it is (rows past the matrix's: zeros up
+  to the stack's width)."""
   n = len(firsts)
   g_refs, m_refs, new_refs, stack_ref = refs[:n], refs[n:2 * n], refs[2 * n:3 * n], refs[-1]
   h = tuple(h_ref[j] for j in range(4))
@@ -104,12 +106,16 @@ def _wide_body(h_ref, *refs, bounds, firsts, wide, tile, nesterov):
       load = lambda ref: pltriton.load(ref.at[src], mask=inside, other=jnp.float32(0))
       new, hat = momentum(load(g_refs[k]), load(m_refs[k]), h, nesterov)
       pltriton.store(new_refs[k].at[src], new, mask=inside)
-      dst = (pl.ds((firsts[k] + mat) * cols + c0, tc), pl.ds(r0, tr))
-      pltriton.store(stack_ref.at[dst], hat.T.astype(stack_ref.dtype),
-                     mask=((r0 + r < width) & (c0 + c < cols)).T)
+      within = (r0 + r < width) & (c0 + c < cols)
+      if transpose:
+        dst = (pl.ds((firsts[k] + mat) * cols + c0, tc), pl.ds(r0, tr))
+        pltriton.store(stack_ref.at[dst], hat.T.astype(stack_ref.dtype), mask=within.T)
+      else:
+        dst = (pl.ds((firsts[k] + mat) * width + r0, tr), pl.ds(c0, tc))
+        pltriton.store(stack_ref.at[dst], hat.astype(stack_ref.dtype), mask=within)
 
 
-def _kernel(h, gs, ms, *, nesterov, stack_dtype, wide, interpret):
+def _kernel(h, gs, ms, *, nesterov, stack_dtype, wide, transpose, interpret):
   sizes = tuple(g.size for g in gs)
   n = len(gs)
   if wide is None:  # flat: 4096 elements a program
@@ -124,8 +130,10 @@ def _kernel(h, gs, ms, *, nesterov, stack_dtype, wide, interpret):
     mats = [s // (rows * cols) for s in sizes]
     blocks = [b * -(-width // tile[0]) * -(-cols // tc) for b in mats]
     body = functools.partial(_wide_body, wide=wide, tile=tile, nesterov=nesterov,
+                             transpose=transpose,
                              firsts=tuple(itertools.accumulate(mats[:-1], initial=0)))
-    stack_shape, flat = (sum(mats) * cols, width), lambda x: x.reshape(-1, cols)
+    stack_shape = (sum(mats) * cols, width) if transpose else (sum(mats) * width, cols)
+    flat = lambda x: x.reshape(-1, cols)
   bounds = tuple(itertools.accumulate(blocks, initial=0))
   whole = pl.BlockSpec()
   out_shape = ([jax.ShapeDtypeStruct(flat(g).shape, jnp.float32) for g in gs]
@@ -145,19 +153,22 @@ def _kernel(h, gs, ms, *, nesterov, stack_dtype, wide, interpret):
   return list(outs[:n]), outs[n].reshape(-1)
 
 
-def _reference(h, gs, ms, *, nesterov, stack_dtype, wide):
+def _reference(h, gs, ms, *, nesterov, stack_dtype, wide, transpose):
   pairs = [momentum(g, m, h, nesterov) for g, m in zip(gs, ms)]
   if wide is None:
     hats = [hat.astype(stack_dtype).reshape(-1) for _, hat in pairs]
   else:
     rows, cols, width = wide
-    hats = [jnp.pad(hat.astype(stack_dtype).reshape(-1, rows, cols).swapaxes(1, 2),
-                    ((0, 0), (0, 0), (0, width - rows))).reshape(-1) for _, hat in pairs]
+    mats = lambda hat: hat.astype(stack_dtype).reshape(-1, rows, cols)
+    pad = (0, 0), (0, width - rows), (0, 0)
+    hats = [(jnp.pad(mats(hat).swapaxes(1, 2), (pad[0], pad[2], pad[1])) if transpose
+             else jnp.pad(mats(hat), pad)).reshape(-1) for _, hat in pairs]
   return [new for new, _ in pairs], jnp.concatenate(hats)
 
 
 def momentum_stack(gs: Sequence[jax.Array], ms: Sequence[jax.Array], h: jax.Array, *,
-                   nesterov: bool, stack_dtype, wide=None, backend: str = "auto"):
+                   nesterov: bool, stack_dtype, wide=None, transpose: bool = True,
+                   backend: str = "auto"):
   r"""Each leaf's new momentum and the stack of their corrected momenta, in one pass.
 
   .. math::
@@ -176,13 +187,17 @@ def momentum_stack(gs: Sequence[jax.Array], ms: Sequence[jax.Array], h: jax.Arra
       cols) and the stack holds each one transposed, ``cols x width``, zero past its rows
       (a tall float32 stack iterated wide: :func:`~optirs_jax.orthogonal.orthogonalize_stack`'s
       ``transposed``); a program then transposes a tile of 4096 elements.
+    transpose: with ``wide``, False keeps each matrix tall, ``width x cols``, zero past its
+      rows (a 16-bit stack padded for the chain, as
+      :func:`~optirs_jax.orthogonal.orthogonalize_stack` pads a long side: no pass of
+      its own).
     backend: ``"auto"`` (the kernel on a GPU, XLA's fusions elsewhere), ``"pallas"``
       (interpret mode off a GPU) or ``"jnp"``.
 
   Returns:
     ``(new momenta, stack)``: the momenta shaped as ``ms``; the stack flat, the leaves'
     corrected momenta one after another (reshape it to the matrices, or with ``wide``
-    to ``[-1, cols, width]``).
+    to ``[-1, cols, width]``; ``transpose=False``: ``[-1, width, cols]``).
 
   >>> import jax.numpy as jnp
   >>> gs, ms = [jnp.ones((64, 80))] * 2, [jnp.zeros((64, 80))] * 2
@@ -197,7 +212,7 @@ def momentum_stack(gs: Sequence[jax.Array], ms: Sequence[jax.Array], h: jax.Arra
                      f"rows, of matrices of these leaves: {[g.shape for g in gs]}")
   shapes = [m.shape for m in ms]
   args = (h, list(gs), list(ms))
-  kw = dict(nesterov=nesterov, stack_dtype=stack_dtype, wide=wide)
+  kw = dict(nesterov=nesterov, stack_dtype=stack_dtype, wide=wide, transpose=transpose)
   ref = lambda a: _reference(*a, **kw)
   kernel = lambda interpret: lambda a: _kernel(*a, interpret=interpret, **kw)
   other = ref if backend == "auto" else kernel(True)  # off a GPU: XLA, or interpret mode

@@ -138,12 +138,13 @@ def scale_by_muon(ns_coeffs: Any = PRESETS["standard"], ns_steps: int = 5,
     h = jnp.stack([jnp.asarray(1 - beta, f32), jnp.asarray(beta, f32),
                    debias(count).astype(f32), debias(later).astype(f32)])
 
-    def stacks(idx, dtype, wide):  # the stack of the leaves at idx, their momenta, one pass
+    def stacks(idx, dtype, layout):  # the stack of the leaves at idx, their momenta, one pass
       g, m = [gs[i] for i in idx], [mus[i] for i in idx]
       if backend == "jnp" or not fusable(g, m):
         return None
       news, stack = momentum_stack(g, m, h, nesterov=nesterov, stack_dtype=dtype,
-                                   wide=wide, backend=backend)
+                                   wide=layout and layout[:3],
+                                   transpose=bool(layout and layout[3]), backend=backend)
       fused.update(zip(idx, news))
       return stack
 

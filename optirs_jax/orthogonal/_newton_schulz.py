@@ -41,6 +41,7 @@ from jax.sharding import AxisType
 
 from optirs_jax.orthogonal import _gram_form as gram_form
 from optirs_jax.orthogonal import _ns_steps as ns
+from optirs_jax.orthogonal import _tiling as tiling
 from optirs_jax.orthogonal._spread import mesh_of, spread, spread_axes
 
 #: Newton–Schulz coefficients by name (optax's presets): Keller Jordan's quintic, and
@@ -123,53 +124,6 @@ def coefficients(ns_coeffs, ns_steps: int) -> jax.Array:
   return c
 
 
-#: Stacks whose long side is above this are padded to a multiple of ``_PAD`` once, before
-#: the iteration: a product contracting over an unaligned axis pads its operand itself,
-#: a pass over the stack in every step (GPT-2's 50257-entry vocabulary).
-_PAD_ABOVE, _PAD = 4096, 128
-
-
-def _padded(long: int) -> int:
-  """The fast form's long side: above 4096, padded to a multiple of 128."""
-  return long + (-long % _PAD if long > _PAD_ABOVE else 0)
-#: A Gram product whose output tiles (128 x 128) are fewer than ``_FEW_TILES``, one for each
-#: of an H100's or H200's 132 cores, is split until the tiles of all its parts fill
-#: ``_TILES`` (eight waves: a partial last wave then costs little; ``_TILES_16`` for 16-bit
-#: stacks), while each part still contracts at least ``_MIN_SPLIT_ROWS`` rows.
-_FEW_TILES, _TILES, _TILES_16, _TILE, _MIN_SPLIT_ROWS = 132, 1056, 264, 128, 1024
-
-
-def gram_splits(batch: int, short: int, long: int, *, itemsize: int = 4) -> int:
-  """How many parts the Gram product of ``batch`` matrices ``short x long`` (its output
-  ``short x short``, contracting ``long``, elements of ``itemsize`` bytes) is split into
-  along ``long``: one where the output has at least 132 tiles of 128 x 128; else a power
-  of two, doubled while the tiles times the parts are fewer than 1056 (264 for 16-bit
-  elements) and each part keeps at least 1024 of ``long`` (whole: ``long`` is a multiple
-  of the parts).
-
-  A GPU's matrix product runs one output tile per core at a time: GPT-2's 50257 x 768
-  embedding has a Gram matrix of 36 tiles, so without a split its product (half of the
-  embedding's Newton–Schulz work) keeps a quarter of an H100's cores busy; in 8 parts
-  (288 tiles, 2.2 waves of 132 cores) the third, partial wave of a TF32 product costs as
-  much as a full one (32 parts ran faster). A bfloat16 product runs at the peak in 8
-  parts, and the parts' float32 Gram matrices are summed by a pass of their own, which
-  more parts make longer: in bfloat16, GPT-2's Muon step on an H200 took 4.672 ms with 32
-  parts, 4.614 with 16 and 4.569 with 8.
-
-  >>> gram_splits(1, 768, 50304), gram_splits(12, 768, 3072), gram_splits(1, 768, 3072)
-  (32, 1, 2)
-  >>> gram_splits(1, 768, 50304, itemsize=2)
-  8
-  """
-  tiles = batch * (-(-short // _TILE)) ** 2
-  target = _TILES if itemsize >= 4 else _TILES_16
-  parts = 1
-  while (tiles < _FEW_TILES and tiles * parts < target and long % (2 * parts) == 0
-         and long // (2 * parts) >= _MIN_SPLIT_ROWS):
-    parts *= 2
-  return parts
-
-
 def orthogonalize_stack(x: jax.Array, coeffs: jax.Array, ns_steps: int, *,
                         preconditioning: str = "frobenius", eps=1e-8, ns_dtype=None,
                         exact: bool = False, transposed: bool = False,
@@ -223,8 +177,8 @@ def orthogonalize_stack(x: jax.Array, coeffs: jax.Array, ns_steps: int, *,
     x = x.astype(ns_dtype)
   tall = x.shape[-2] > x.shape[-1]
   long, short = max(x.shape[-2:]), min(x.shape[-2:])
-  padded = long if exact else _padded(long)
-  parts = 1 if exact or transposed else gram_splits(x.shape[0], short, padded,
+  padded = long if exact else tiling.padded(long)
+  parts = 1 if exact or transposed else tiling.gram_splits(x.shape[0], short, padded,
                                                     itemsize=x.dtype.itemsize)
   swap = (exact and tall) or (parts > 1 and not tall)
   if swap:  # optax's program takes a wide stack; a split Gram product a tall one
@@ -345,14 +299,15 @@ def orthogonalize(leaves: Sequence[jax.Array], dims: Sequence, coeffs: jax.Array
   matrices, so the iteration holds no collective; one reshard takes the stack there and the
   results back to their leaves' shardings.
 
-  ``stacks``: ``(indices, dtype, wide) -> flat stack or None``, asked for the stack of the
-  leaves at ``indices`` (in ``dtype``, the chain's) where a group takes the fast form
+  ``stacks``: ``(indices, dtype, layout) -> flat stack or None``, asked for the stack of
+  the leaves at ``indices`` (in ``dtype``, the chain's) where a group takes the fast form
   unspread and its leaves are their matrices without a transpose: Muon's kernel writes it
   with the momentum (:func:`~optirs_jax.orthogonal._momentum_stack.momentum_stack`).
-  ``wide``: None (the matrices one after another), or ``(rows, cols, width)`` for a tall
-  float32 group: each matrix transposed, zero past its rows to ``width``, the stack then
-  iterated wide (:func:`orthogonalize_stack`'s ``transposed``). None, or no ``stacks``:
-  the leaves concatenated.
+  ``layout``: None (the matrices one after another), or ``(rows, cols, width,
+  transposed)`` for a tall group: each matrix zero past its rows to ``width``, transposed
+  for a float32 group (the stack then iterated wide: :func:`orthogonalize_stack`'s
+  ``transposed``), as it is for a 16-bit one whose long side the fast form pads. None, or
+  no ``stacks``: the leaves concatenated.
   ``square``: the coefficients' ``c2`` is nonzero (:func:`orthogonalize_stack`'s).
 
   >>> import jax.numpy as jnp
@@ -377,15 +332,17 @@ def orthogonalize(leaves: Sequence[jax.Array], dims: Sequence, coeffs: jax.Array
   out: list = [None] * len(leaves)
   for (shape, dtype), idx in groups.items():
     mats = [views[i].to_matrices(leaves[i]) for i in idx]
-    stack, wide = None, _wide(shape, ns_dtype or dtype)
+    stack, layout = None, tiling.layout(shape, ns_dtype or dtype)
     if (stacks is not None and not axes and not _exact(len(idx), shape, dtype, ns_dtype)
         and all(views[i].transpose == tuple(sorted(views[i].transpose)) for i in idx)):
-      stack = stacks(idx, jnp.dtype(ns_dtype or dtype), wide)
+      stack = stacks(idx, jnp.dtype(ns_dtype or dtype), layout)
+    transposed = stack is not None and layout is not None and layout[3]
     if stack is not None:
-      stack = stack.reshape(-1, *shape) if wide is None else stack.reshape(-1, *wide[1:])
+      rows, cols = shape
+      width = layout[2] if layout else rows
+      stack = stack.reshape((-1, cols, width) if transposed else (-1, width, cols))
     run = functools.partial(_orthogonalize_group, coeffs=coeffs, ns_steps=ns_steps,
-                            stack=stack, transposed=stack is not None and wide is not None,
-                            **kw)
+                            stack=stack, transposed=transposed, **kw)
     if explicit:  # GSPMD places the stack (Explicit axes would refuse its concatenation)
       run = jax.sharding.auto_axes(run, axes=tuple(explicit),
                                    out_sharding=[jax.typeof(m).sharding for m in mats])
@@ -399,18 +356,7 @@ def _exact(n: int, shape, dtype, ns_dtype) -> bool:
   at the momentum's precision, its numbers bit for bit, unless its long side asks for the
   fast form's padding and split Gram product."""
   return (n == 1 and (ns_dtype is None or jnp.dtype(ns_dtype) == jnp.dtype(dtype))
-          and max(shape) <= _PAD_ABOVE)
-
-
-def _wide(shape, dtype) -> tuple[int, int, int] | None:
-  """``(rows, cols, width)`` where a group of tall ``rows x cols`` matrices in float32
-  takes its stack transposed (``width``: rows padded as the fast form pads them); else
-  None. A TF32 Gram product contracting the strided axis runs at about half the speed of
-  one contracting the contiguous axis; bfloat16 products take either at the peak."""
-  rows, cols = shape
-  if jnp.dtype(dtype) != jnp.float32 or rows <= cols:
-    return None
-  return rows, cols, _padded(rows)
+          and max(shape) <= tiling.PAD_ABOVE)
 
 
 def _orthogonalize_group(mats, coeffs, ns_steps, *, mesh, axes, stack=None,
