@@ -179,7 +179,7 @@ def orthogonalize_stack(x: jax.Array, coeffs: jax.Array, ns_steps: int, *,
   long, short = max(x.shape[-2:]), min(x.shape[-2:])
   padded = long if exact else tiling.padded(long)
   parts = 1 if exact or transposed else tiling.gram_splits(x.shape[0], short, padded,
-                                                    itemsize=x.dtype.itemsize)
+                                                           itemsize=x.dtype.itemsize)
   swap = (exact and tall) or (parts > 1 and not tall)
   if swap:  # optax's program takes a wide stack; a split Gram product a tall one
     x, tall = jnp.swapaxes(x, -1, -2), not tall
