@@ -20,6 +20,7 @@ import os
 import statistics
 import tempfile
 import time
+import warnings
 
 
 def block(tree) -> None:
@@ -73,6 +74,17 @@ def kernel_seconds_per_step(run_step, state, steps: int):
   return profile["summed_s"], state
 
 
+def _stats(event) -> list:
+  """An event's ``(name, value)`` stats. jaxlib 0.11's stats type has no ``__module__``,
+  for which Python 3.12 warns (a DeprecationWarning) the first time it is iterated: where
+  warnings are errors, as under this project's pytest, raised inside jaxlib's iterator
+  that aborted the process. The warning is about jaxlib's type, not this code."""
+  with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", "builtin type .* has no __module__ attribute",
+                            DeprecationWarning)
+    return list(event.stats)
+
+
 def top_kernels(profile_data, top: int, device: str = "/device:GPU:0",
                 by_op: bool = False) -> list[tuple]:
   """The ``top`` events of the device plane's stream lines by summed duration: ``(name,
@@ -91,7 +103,7 @@ def top_kernels(profile_data, top: int, device: str = "/device:GPU:0",
       for e in line.events:
         name = e.name
         if by_op:
-          op = next((str(v) for k, v in e.stats if k == "hlo_op"), None)
+          op = next((str(v) for k, v in _stats(e) if k == "hlo_op"), None)
           name = f"{name} @ {op}" if op and op != name else name
         t = totals.setdefault(name, [0.0, 0])
         t[0] += e.duration_ns * 1e-9
