@@ -276,7 +276,10 @@ def muon(learning_rate: optax.ScalarOrSchedule, ns_coeffs: Any = PRESETS["standa
       leaf, as a matrix.
     consistent_rms: ``None`` for width scaling, or the target RMS of the update.
     ns_dtype: the Newton–Schulz products' dtype: ``None`` computes in the momentum's
-      dtype, as optax (the same numbers); ``jnp.bfloat16`` is the usual fast choice.
+      dtype, as optax (the same numbers); ``jnp.bfloat16`` is the usual fast choice
+      (optax's numbers within 0.1 relative error per leaf; a matrix 16 times as long as
+      wide, an embedding, runs on its Gram matrix with its small side at about float32's
+      precision, within about 0.01: :func:`~optirs_jax.orthogonal.orthogonalize_stack`).
     ns_axes: on a mesh of several devices (``jax.set_mesh``'s, or the params' Explicit
       one), the axes the stacked matrices are spread over, whole, so that each device
       orthogonalizes whole matrices and the iteration holds no collective: ``"auto"``
