@@ -142,9 +142,10 @@ def scale_by_muon(ns_coeffs: Any = PRESETS["standard"], ns_steps: int = 5,
       g, m = [gs[i] for i in idx], [mus[i] for i in idx]
       if backend == "jnp" or not fusable(g, m):
         return None
-      news, stack = momentum_stack(g, m, h, nesterov=nesterov, stack_dtype=dtype,
-                                   wide=layout and layout[:3],
-                                   transpose=bool(layout and layout[3]), backend=backend)
+      wide = None if layout is None else (layout.rows, layout.cols, layout.width)
+      news, stack = momentum_stack(g, m, h, nesterov=nesterov, stack_dtype=dtype, wide=wide,
+                                   transpose=wide is None or layout.transposed,
+                                   backend=backend)
       fused.update(zip(idx, news))
       return stack
 

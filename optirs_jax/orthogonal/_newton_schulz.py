@@ -303,7 +303,7 @@ def orthogonalize(leaves: Sequence[jax.Array], dims: Sequence, coeffs: jax.Array
   the leaves at ``indices`` (in ``dtype``, the chain's) where a group takes the fast form
   unspread and its leaves are their matrices without a transpose: Muon's kernel writes it
   with the momentum (:func:`~optirs_jax.orthogonal._momentum_stack.momentum_stack`).
-  ``layout``: None (the matrices one after another), or ``(rows, cols, width,
+  ``layout``: None (the matrices one after another), or a ``Layout(rows, cols, width,
   transposed)`` for a tall group: each matrix zero past its rows to ``width``, transposed
   for a float32 group (the stack then iterated wide: :func:`orthogonalize_stack`'s
   ``transposed``), as it is for a 16-bit one whose long side the fast form pads. None, or
@@ -336,10 +336,10 @@ def orthogonalize(leaves: Sequence[jax.Array], dims: Sequence, coeffs: jax.Array
     if (stacks is not None and not axes and not _exact(len(idx), shape, dtype, ns_dtype)
         and all(views[i].transpose == tuple(sorted(views[i].transpose)) for i in idx)):
       stack = stacks(idx, jnp.dtype(ns_dtype or dtype), layout)
-    transposed = stack is not None and layout is not None and layout[3]
+    transposed = stack is not None and layout is not None and layout.transposed
     if stack is not None:
       rows, cols = shape
-      width = layout[2] if layout else rows
+      width = layout.width if layout else rows
       stack = stack.reshape((-1, cols, width) if transposed else (-1, width, cols))
     run = functools.partial(_orthogonalize_group, coeffs=coeffs, ns_steps=ns_steps,
                             stack=stack, transposed=transposed, **kw)

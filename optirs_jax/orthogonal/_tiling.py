@@ -3,6 +3,8 @@ Gram product split to fill the cores, a kernel-written stack's layout."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax.numpy as jnp
 
 #: Stacks whose long side is above this are padded to a multiple of ``PAD`` once, before
@@ -54,15 +56,25 @@ def gram_splits(batch: int, short: int, long: int, *, itemsize: int = 4) -> int:
   return parts
 
 
-def layout(shape, dtype) -> tuple[int, int, int, bool] | None:
-  """``(rows, cols, width, transposed)`` for a group of tall ``rows x cols`` matrices
-  whose stack a kernel may write padded to ``width`` rows (as the fast form pads them):
-  in float32 transposed, in 16 bits as they are where the fast form pads them; else None.
-  A TF32 Gram product contracting the strided axis runs at about half the speed of one
-  contracting the contiguous axis; bfloat16 products take either at the peak."""
+class Layout(NamedTuple):
+  """A kernel-written stack of tall ``rows x cols`` matrices: each zero past its rows to
+  ``width``, and ``transposed`` (``cols x width``) or not (``width x cols``)."""
+
+  rows: int
+  cols: int
+  width: int
+  transposed: bool
+
+
+def layout(shape, dtype) -> Layout | None:
+  """How a kernel may write the stack of a group of ``rows x cols`` matrices: tall ones
+  padded as the fast form pads them, in float32 transposed, in 16 bits as they are where
+  the fast form pads them; else None (the matrices one after another). A TF32 Gram
+  product contracting the strided axis runs at about half the speed of one contracting
+  the contiguous axis; bfloat16 products take either at the peak."""
   rows, cols = shape
   if rows <= cols:
     return None
   if jnp.dtype(dtype) == jnp.float32:
-    return rows, cols, padded(rows), True
-  return (rows, cols, padded(rows), False) if padded(rows) != rows else None
+    return Layout(rows, cols, padded(rows), True)
+  return Layout(rows, cols, padded(rows), False) if padded(rows) != rows else None
