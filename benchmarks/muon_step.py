@@ -15,8 +15,10 @@ by the HLO op that launched it, with ``XLA_FLAGS=--xla_gpu_enable_command_buffer
 default the step runs as CUDA graphs and the op is the graph's), the kernel time of the
 matrix products (cuBLAS's and XLA's GEMM kernels) against the rest, and the Newton–Schulz
 products' achieved TFLOP/s (their
-operations, ``optirs_jax.orthogonal.flops``, over the step's busy kernel time: a lower
-bound, the step's elementwise work counts against it). The peak: a square product of
+operations, ``optirs_jax.orthogonal.flops``, over the step's busy kernel time: the
+operations of optax's chain, so a rate at optax's work, below the products' own where the
+step's elementwise work counts against it, above it where the Gram form does fewer
+operations: bfloat16's embedding). The peak: a square product of
 8192 in TF32 and in bfloat16 (``optirs_jax.planning.tensor_cores.gemm``), timed the same way.
 """
 
