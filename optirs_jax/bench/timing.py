@@ -74,17 +74,6 @@ def kernel_seconds_per_step(run_step, state, steps: int):
   return profile["summed_s"], state
 
 
-def _stats(event) -> list:
-  """An event's ``(name, value)`` stats. jaxlib 0.11's stats type has no ``__module__``,
-  for which Python 3.12 warns (a DeprecationWarning) the first time it is iterated: where
-  warnings are errors, as under this project's pytest, raised inside jaxlib's iterator
-  that aborted the process. The warning is about jaxlib's type, not this code."""
-  with warnings.catch_warnings():
-    warnings.filterwarnings("ignore", "builtin type .* has no __module__ attribute",
-                            DeprecationWarning)
-    return list(event.stats)
-
-
 def top_kernels(profile_data, top: int, device: str = "/device:GPU:0",
                 by_op: bool = False) -> list[tuple]:
   """The ``top`` events of the device plane's stream lines by summed duration: ``(name,
@@ -98,16 +87,22 @@ def top_kernels(profile_data, top: int, device: str = "/device:GPU:0",
   if plane is None:
     return []
   totals: dict[str, list] = {}
-  for line in plane.lines:
-    if line.name.startswith("Stream"):
-      for e in line.events:
-        name = e.name
-        if by_op:
-          op = next((str(v) for k, v in _stats(e) if k == "hlo_op"), None)
-          name = f"{name} @ {op}" if op and op != name else name
-        t = totals.setdefault(name, [0.0, 0])
-        t[0] += e.duration_ns * 1e-9
-        t[1] += 1
+  with warnings.catch_warnings():
+    # jaxlib 0.11's stats type has no __module__, for which Python 3.12 warns the first
+    # time it is iterated: where warnings are errors (this project's pytest), raised inside
+    # jaxlib's iterator, it aborted the process. The warning is about jaxlib's type.
+    warnings.filterwarnings("ignore", "builtin type .* has no __module__ attribute",
+                            DeprecationWarning)
+    for line in plane.lines:
+      if line.name.startswith("Stream"):
+        for e in line.events:
+          name = e.name
+          if by_op:
+            op = next((str(v) for k, v in e.stats if k == "hlo_op"), None)
+            name = f"{name} @ {op}" if op and op != name else name
+          t = totals.setdefault(name, [0.0, 0])
+          t[0] += e.duration_ns * 1e-9
+          t[1] += 1
   return sorted(((n, s, c) for n, (s, c) in totals.items()), key=lambda x: -x[1])[:top]
 
 
