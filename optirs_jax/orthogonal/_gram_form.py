@@ -53,7 +53,7 @@ def applies(x: jax.Array, c: jax.Array, ns_steps, preconditioning: str) -> bool:
   """Whether the fast form of the stack ``x`` takes the Gram form: 16-bit, real, long
   matrices (:data:`RATIO`), Frobenius or spectral preconditioning, at least one step."""
   short, long = sorted(x.shape[-2:])
-  steps = c.shape[0] if c.ndim == 2 else ns.static_count(ns_steps)
+  steps = ns.static_count(c, ns_steps)
   return (x.dtype.itemsize == 2 and jnp.issubdtype(x.dtype, jnp.floating)
           and long >= RATIO * short and preconditioning in ("frobenius", "spectral")
           and steps != 0)
@@ -101,7 +101,7 @@ def chain(x, c, ns_steps, side, eps, *, normalize: bool, out_tall: bool = False)
   a = side.gram(x, out=jnp.float32)  # exact products of the 16-bit stack, float32 sums
   s = ns.inverse_norm(a, eps) if normalize else jnp.ones((x.shape[0], 1, 1), jnp.float32)
   a = a * (s * s)
-  n = c.shape[0] if c.ndim == 2 else ns.static_count(ns_steps)
+  n = ns.static_count(c, ns_steps)
   row = lambda i: c[i] if c.ndim == 2 else c
   if n is None:  # traced (inject_hyperparams): every step in the loop, Q from the identity
     eye = jnp.broadcast_to(jnp.eye(a.shape[-1], dtype=a.dtype), a.shape)

@@ -200,7 +200,7 @@ def orthogonalize_stack(x: jax.Array, coeffs: jax.Array, ns_steps: int, *,
       x = gram_form.chain(x, coeffs, ns_steps, side, eps, out_tall=transposed,
                           normalize=preconditioning == "frobenius")
     elif (square and coeffs.ndim == 1 and preconditioning == "frobenius"
-          and x.dtype.itemsize == 2 and ns.static_count(ns_steps) != 0):
+          and x.dtype.itemsize == 2 and ns.static_count(coeffs, ns_steps) != 0):
       x = _square_chain(x, coeffs.astype(x.dtype), ns_steps, side, eps, transposed)
     else:
       x = _fast_chain(x, coeffs.astype(x.dtype), ns_steps, side, preconditioning, eps,
@@ -245,7 +245,7 @@ def _fast_chain(x, c, ns_steps, side, preconditioning, eps, out_tall=False):
   first = {"aol": ns.aol_step, "schatten": ns.schatten_step,
            "frobenius": functools.partial(ns.frobenius_step, eps=eps)}.get(preconditioning,
                                                                          ns.step)
-  n = c.shape[0] if c.ndim == 2 else ns.static_count(ns_steps)
+  n = ns.static_count(c, ns_steps)
   peel = out_tall and n is not None and n > 0
   middle = lambda x, end: (  # steps 1 to end - 1
       jax.lax.fori_loop(1, end, lambda i, x: ns.step(x, c, side, True), x, unroll=True)
@@ -267,7 +267,7 @@ def _square_chain(x, c, ns_steps, side, eps, out_tall=False):
   is iterated, its sign carried as a scalar, and ``1 / q`` folded into the last step's
   factor (with a traced step count, into a multiply after the loop)."""
   q, sigma, _, _ = ns.square_terms(c)
-  n = ns.static_count(ns_steps)
+  n = ns.static_count(c, ns_steps)
   a = side.gram(x)
   s = ns.inverse_norm(a, eps)  # 1 / (|X|_F + eps)
   last = side._replace(out_tall=True) if out_tall else side

@@ -141,10 +141,13 @@ def square_terms(c):
   return jnp.sqrt(root), sigma, c1 / (2 * c2) * root, sigma * (c0 - c1 * c1 / (4 * c2))
 
 
-def static_count(n) -> int | None:
-  """A step count as an int, or None where it is traced (``inject_hyperparams``)."""
+def static_count(c, ns_steps) -> int | None:
+  """The steps a chain of coefficients ``c`` runs: its rows (``(n, 3)``), or ``ns_steps``
+  as an int (``(3,)``); None where that count is traced (``inject_hyperparams``)."""
+  if c.ndim == 2:
+    return c.shape[0]
   try:
-    return int(n)
+    return int(ns_steps)
   except (jax.errors.ConcretizationTypeError, jax.errors.TracerIntegerConversionError):
     return None
 
