@@ -36,14 +36,15 @@ CORE = ("adam", "adamw", "lamb", "lion", "sgd", "rmsprop", "adagrad")
 PLACEMENT_MATRIX = ("adamw", "lamb")
 
 
-def backend_cases(backends=("jnp", "pallas")) -> list:
+def backend_cases(backends=("jnp", "pallas"), *, sampled=False) -> list:
   """``(case, backend)`` pairs: every case on ``jnp``; on the kernels every case of the core
-  optimizers and the typical case of each other."""
-  out = [(case, "jnp") for case in CASES] if "jnp" in backends else []
+  optimizers and the typical case of each other. ``sampled``: that choice on ``jnp`` too
+  (for the long suites, where the one-step suite already holds every case to optax)."""
+  chosen = ([case for case in CASES if case[0] in CORE]
+            + [case for case in TYPICAL if case[0] not in CORE])
+  out = []
   for backend in backends:
-    if backend != "jnp":
-      out += [(case, backend) for case in CASES if case[0] in CORE]
-      out += [(case, backend) for case in TYPICAL if case[0] not in CORE]
+    out += [(case, backend) for case in (CASES if backend == "jnp" and not sampled else chosen)]
   return out
 
 

@@ -64,10 +64,14 @@ PLACEMENTS += [((2, 4), layout, "Explicit") for layout in ("fsdp", "tp")]
 
 
 # Every placement for one optimizer of each executor path; one (FSDP on a 2x4 Explicit mesh)
-# for the rest of the registry.
+# for the rest of the registry, on the kernels, and on the reference too where the rule
+# reduces across a leaf (norms, factored statistics). An elementwise rule on the reference
+# is XLA's elementwise ops, placed by XLA alike for every optimizer.
 SHARDED = [(name, backend, *placement) for name in NAMES for backend in ("jnp", "pallas")
            for placement in (PLACEMENTS if name in cases.PLACEMENT_MATRIX else
-                             [((2, 4), "fsdp", "Explicit")])]
+                             [((2, 4), "fsdp", "Explicit")])
+           if backend == "pallas" or name in cases.PLACEMENT_MATRIX or name in cases.CORE
+           or REGISTRY[name].norms or REGISTRY[name].spec.factored]
 
 
 @pytest.mark.parametrize("name, backend, shape, layout, axis_type", SHARDED,
