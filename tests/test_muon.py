@@ -313,6 +313,22 @@ def test_square_form_needs_one_row_with_a_nonzero_c2(standard_promotion):
     assert _rel(got[k], ref[k]) < 0.1, (k, _rel(got[k], ref[k]))
 
 
+@pytest.mark.parametrize("scale", [1e-6, 1.0, 1e3])
+@pytest.mark.parametrize("preconditioning", ["frobenius", "spectral"])
+@pytest.mark.parametrize("shape", [(3, 48, 200), (3, 200, 48), (2, 32, 1024)],
+                         ids=["wide", "tall", "long"])
+def test_float16_chain_holds_far_from_a_unit_norm(shape, preconditioning, scale):
+  # float16 spans 6e-8 to 65504: the Gram product of a stack of 1e3s overflowed (-inf),
+  # one of 1e-6s lost its bits. Against optax's chain in float64 numpy, at every scale
+  # (the 32 x 1024 stack takes the Gram form): within float16's rounding (0.011 measured).
+  x = np.asarray(jax.random.normal(KEY, shape)) * scale
+  want = _numpy_chain(x, preconditioning)
+  got = orthogonalize_stack(jnp.asarray(x, jnp.float32), jnp.asarray(PRESETS["standard"]), 5,
+                            ns_dtype=jnp.float16, preconditioning=preconditioning)
+  err = np.linalg.norm(np.asarray(got, np.float64) - want) / np.linalg.norm(want)
+  assert err < 0.02, err
+
+
 def test_newton_schulz_orthogonalizes():
   # optax's test_newton_schulz: 20 steps of (2, -1.5, 0.5) give an orthonormal matrix,
   # for a real and a complex one; here both in one call, with a numpy check of the Gram.

@@ -51,11 +51,12 @@ RATIO = 16
 
 def applies(x: jax.Array, c: jax.Array, ns_steps, preconditioning: str) -> bool:
   """Whether the fast form of the stack ``x`` takes the Gram form: 16-bit, real, long
-  matrices (:data:`RATIO`), Frobenius or spectral preconditioning, at least one step."""
+  matrices (:data:`RATIO`), Frobenius or spectral preconditioning (``None``: a stack
+  divided by its norm already), at least one step."""
   short, long = sorted(x.shape[-2:])
   steps = ns.static_count(c, ns_steps)
   return (x.dtype.itemsize == 2 and jnp.issubdtype(x.dtype, jnp.floating)
-          and long >= RATIO * short and preconditioning in ("frobenius", "spectral")
+          and long >= RATIO * short and preconditioning in ("frobenius", "spectral", None)
           and steps != 0)
 
 

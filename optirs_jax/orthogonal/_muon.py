@@ -280,7 +280,9 @@ def muon(learning_rate: optax.ScalarOrSchedule, ns_coeffs: Any = PRESETS["standa
       dtype, as optax (the same numbers); ``jnp.bfloat16`` is the usual fast choice
       (optax's numbers within 0.1 relative error per leaf; a matrix 16 times as long as
       wide, an embedding, runs on its Gram matrix with its small side at about float32's
-      precision, within about 0.01: :func:`~optirs_jax.orthogonal.orthogonalize_stack`).
+      precision, within about 0.01: :func:`~optirs_jax.orthogonal.orthogonalize_stack`);
+      ``jnp.float16`` within about 0.01, its stacks divided by their norm in float32
+      first (float16's range), except under AOL and Schatten-4 preconditioning.
     ns_axes: on a mesh of several devices (``jax.set_mesh``'s, or the params' Explicit
       one), the axes the stacked matrices are spread over, whole, so that each device
       orthogonalizes whole matrices and the iteration holds no collective: ``"auto"``

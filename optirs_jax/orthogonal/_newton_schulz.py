@@ -173,6 +173,16 @@ def orthogonalize_stack(x: jax.Array, coeffs: jax.Array, ns_steps: int, *,
     raise ValueError(f"transposed takes a wide stack in the fast form, not {x.shape} with "
                      f"exact={exact}")
   dtype = x.dtype
+  # A spectral norm in float32 (no 16-bit SVD); and in float16 (6e-8 to 65504) the fast
+  # form's Gram product of an unscaled stack under- or overflows where |X|_F is far from 1,
+  # and the cast takes a small one's bits: both divided before the cast. (AOL and
+  # Schatten-4 clip their scale as optax does: those stacks go unscaled.)
+  half = jnp.dtype(x.dtype if ns_dtype is None else ns_dtype) == jnp.float16
+  if preconditioning == "spectral" or (half and not exact and preconditioning == "frobenius"):
+    w = x.astype(jnp.float32) if x.dtype.itemsize < 4 else x
+    norm = jnp.linalg.norm(w, ord=2 if preconditioning == "spectral" else "fro",
+                           axis=(-2, -1), keepdims=True) + eps
+    x, preconditioning = (w / ns.real_as(norm, w)).astype(x.dtype), None
   if ns_dtype is not None:
     x = x.astype(ns_dtype)
   tall = x.shape[-2] > x.shape[-1]
@@ -189,10 +199,6 @@ def orthogonalize_stack(x: jax.Array, coeffs: jax.Array, ns_steps: int, *,
     pad = [(0, 0)] * x.ndim
     pad[axis] = (0, padded - long)
     x = jnp.pad(x, pad)
-  if preconditioning == "spectral":  # a 16-bit stack's in float32 (no 16-bit SVD)
-    w = x.astype(jnp.float32) if x.dtype.itemsize < 4 else x
-    norm = jnp.linalg.norm(w, ord=2, axis=(-2, -1), keepdims=True) + eps
-    x = (w / ns.real_as(norm, w)).astype(x.dtype)
   if exact:
     x = _exact_chain(x, coeffs.astype(x.dtype), ns_steps, side, preconditioning, eps)
   else:
