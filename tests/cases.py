@@ -48,6 +48,11 @@ def backend_cases(backends=("jnp", "pallas"), *, sampled=False) -> list:
   return out
 
 
+def backend_ids(pairs) -> list[str]:
+  """Test ids of :func:`backend_cases`' pairs: ``name[options]-backend``."""
+  return [f"{case_id(c)}-{b}" for c, b in pairs]
+
+
 def takes_schedule(name: str) -> bool:
   """Whether the optimizer's learning rate may be a schedule (Rprop's is a number)."""
   return dict(REGISTRY[name].spec.arguments)["learning_rate"] in ("schedule",

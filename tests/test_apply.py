@@ -16,7 +16,7 @@ APPLY = cases.backend_cases(sampled=True)
 
 
 @pytest.mark.parametrize("case, backend", APPLY,
-                         ids=[f"{cases.case_id(c)}-{b}" for c, b in APPLY])
+                         ids=cases.backend_ids(APPLY))
 def test_fused_apply_matches_update_then_apply_updates(case, backend):
   name, kw = case
   tx = getattr(optirs_jax, name)(1e-2, **kw, backend=backend)

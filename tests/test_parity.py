@@ -28,12 +28,12 @@ def _tol(backend, name=""):
 
 
 PARITY = cases.backend_cases(BACKENDS)
-PARITY_IDS = [f"{cases.case_id(c)}-{b}" for c, b in PARITY]
+PARITY_IDS = cases.backend_ids(PARITY)
 # A hundred steps: every case of the core optimizers and the typical one of each other, on
 # both backends. On the reference a step is bit-identical to optax's for every case (the
 # one-step suite above), so the rest would run the same operations longer.
 TRAJECTORY = cases.backend_cases(BACKENDS, sampled=True)
-TRAJECTORY_IDS = [f"{cases.case_id(c)}-{b}" for c, b in TRAJECTORY]
+TRAJECTORY_IDS = cases.backend_ids(TRAJECTORY)
 
 
 @pytest.mark.parametrize("case, backend", PARITY, ids=PARITY_IDS)
